@@ -1,0 +1,130 @@
+"""The text-level Python API, in the style of mlx-lm: ``stream_generate``
+yields a response per ReDrafter step, ``generate`` returns the text,
+``batch_generate`` runs several prompts together."""
+
+import time
+from dataclasses import dataclass
+from typing import Iterator, Optional, Sequence, Union
+
+import mlx.core as mx
+
+from .generate import Chooser, ReDrafter, StepTiming, generate_steps, greedy
+
+
+@dataclass
+class GenerationResponse:
+    """One ReDrafter step of :func:`stream_generate`.
+
+    text: the new segment of decoded text (may be empty).
+    tokens: the token ids this step produced (accepted drafts + bonus).
+    num_accepted: drafted tokens accepted this step (None for the first
+        token, which the prefill produces).
+    prompt_tokens, prompt_tps: prompt length and prefill speed.
+    generation_tokens, generation_tps: tokens so far and their rate.
+    steps: base-model verification passes so far.
+    step_tokens: tokens those passes produced (accepted + bonus, before
+        cutting at EOS or max_tokens); step_tokens / steps is the mean
+        tokens per step.
+    peak_memory: peak memory so far, GB.
+    finish_reason: "stop", "length" or None.
+    """
+
+    text: str
+    tokens: list
+    num_accepted: Optional[int]
+    prompt_tokens: int
+    prompt_tps: float
+    generation_tokens: int
+    generation_tps: float
+    steps: int
+    step_tokens: int
+    peak_memory: float
+    finish_reason: Optional[str] = None
+
+
+def encode_prompt(tokenizer, prompt: Union[str, Sequence[int]], chat_template: bool = True) -> list:
+    """Token ids for a prompt, as mlx-lm's generate command makes them: the
+    chat template applied when the tokenizer has one (unless
+    ``chat_template`` is False), else the text encoded as it is."""
+    if not isinstance(prompt, str):
+        return list(prompt)
+    use_template = chat_template and tokenizer.has_chat_template
+    if use_template:
+        prompt = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+        )
+    return tokenizer.encode(prompt, add_special_tokens=not use_template)
+
+
+def stream_generate(
+    redrafter: ReDrafter,
+    tokenizer,
+    prompt: Union[str, Sequence[int]],
+    max_tokens: int = 256,
+    *,
+    beam_width: int = 4,
+    beam_length: int = 5,
+    choose: Chooser = greedy,
+    chat_template: bool = True,
+    timing: Optional[StepTiming] = None,
+) -> Iterator[GenerationResponse]:
+    """Generate from one prompt, yielding a response per step."""
+    prompt_ids = encode_prompt(tokenizer, prompt, chat_template)
+    detokenizer = tokenizer.detokenizer
+    detokenizer.reset()
+    tic = time.perf_counter()
+    prompt_tps, generated, steps, step_tokens = 0.0, 0, 0, 0
+    for (out,) in generate_steps(
+        redrafter,
+        [prompt_ids],
+        max_tokens=max_tokens,
+        beam_width=beam_width,
+        beam_length=beam_length,
+        choose=choose,
+        eos_token_ids=tokenizer.eos_token_ids,
+        timing=timing,
+    ):
+        if out.num_accepted is None:
+            prompt_tps = len(prompt_ids) / (time.perf_counter() - tic)
+            tic = time.perf_counter()
+        else:
+            steps += 1
+            step_tokens += out.num_accepted + 1
+        for token in out.tokens:
+            detokenizer.add_token(token)
+        if out.finish_reason:
+            detokenizer.finalize()
+        generated += len(out.tokens)
+        elapsed = time.perf_counter() - tic
+        yield GenerationResponse(
+            text=detokenizer.last_segment,
+            tokens=out.tokens,
+            num_accepted=out.num_accepted,
+            prompt_tokens=len(prompt_ids),
+            prompt_tps=prompt_tps,
+            generation_tokens=generated,
+            generation_tps=generated / elapsed if elapsed > 0 and steps else 0.0,
+            steps=steps,
+            step_tokens=step_tokens,
+            peak_memory=mx.get_peak_memory() / 1e9,
+            finish_reason=out.finish_reason,
+        )
+
+
+def generate(redrafter: ReDrafter, tokenizer, prompt, max_tokens: int = 256, verbose: bool = False, **kwargs) -> str:
+    """Generate and return the whole text; with ``verbose``, stream it to
+    stdout and print speed figures."""
+    text, last = "", None
+    for last in stream_generate(redrafter, tokenizer, prompt, max_tokens, **kwargs):
+        text += last.text
+        if verbose:
+            print(last.text, end="", flush=True)
+    if verbose and last is not None:
+        print()
+        print("=" * 10)
+        print(f"Prompt: {last.prompt_tokens} tokens, {last.prompt_tps:.3f} tokens-per-sec")
+        print(f"Generation: {last.generation_tokens} tokens, {last.generation_tps:.3f} tokens-per-sec")
+        if last.steps:
+            print(f"Steps: {last.steps}, {last.step_tokens / last.steps:.2f} tokens per step")
+        print(f"Peak memory: {last.peak_memory:.3f} GB")
+    return text

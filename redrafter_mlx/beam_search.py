@@ -1,0 +1,86 @@
+"""Beam search with the recurrent drafter.
+
+All beams of all rows advance together; nothing here reads a value back to
+the host, so a whole search is one lazy graph.
+"""
+
+from typing import Callable
+
+import mlx.core as mx
+
+from .drafter import Drafter
+
+
+def _top_k(scores: mx.array, k: int) -> mx.array:
+    """Indices of the k largest scores along the last axis, best first.
+    (..., n) -> (..., k)."""
+    top = mx.argpartition(-scores, kth=k - 1, axis=-1)[..., :k]
+    order = mx.argsort(-mx.take_along_axis(scores, top, axis=-1), axis=-1)
+    return mx.take_along_axis(top, order, axis=-1)
+
+
+def beam_search(
+    drafter: Drafter,
+    embed: Callable[[mx.array], mx.array],
+    hidden: mx.array,
+    first_tokens: mx.array,
+    beam_width: int,
+    beam_length: int,
+) -> tuple[mx.array, mx.array]:
+    """Draft ``beam_width`` continuations of ``beam_length - 1`` tokens.
+
+    Args:
+        drafter: the recurrent drafter.
+        embed: the base model's input embedding, token ids (...) -> (..., hidden_size).
+        hidden: (batch, hidden_size), the base model's last hidden state at the
+            last token already in the KV cache.
+        first_tokens: (batch,), the token the base model chose after it; it
+            becomes column 0 of every beam.
+        beam_width, beam_length: beam shape; beam_length >= 2.
+
+    Returns:
+        beams: (batch, beam_width, beam_length) int32 token ids, best beam first.
+        draft_logprobs: (batch, beam_width, beam_length - 1), the drafter's
+            log-probability of each drafted token.
+    """
+    batch = first_tokens.shape[0]
+    width = min(beam_width, drafter.draft_vocab_size)
+    hidden = hidden[:, None, :]
+
+    # The first drafted token: one beam expands into `width` beams.
+    state = drafter.update_state(embed(first_tokens)[:, None, :], None)  # (B, 1, D)
+    logprobs = drafter.log_probs(hidden, state)[:, 0]  # (B, V)
+    draft_index = _top_k(logprobs, width)  # (B, W)
+    scores = mx.take_along_axis(logprobs, draft_index, axis=-1)
+    tokens = drafter.token_ids(draft_index).astype(mx.int32)
+    beams = mx.stack([mx.broadcast_to(first_tokens[:, None], (batch, width)), tokens], -1)
+    token_logprobs = scores[..., None]
+    state = mx.broadcast_to(state, (batch, width, state.shape[-1]))
+    hidden = mx.broadcast_to(hidden, (batch, width, hidden.shape[-1]))
+
+    for _ in range(beam_length - 2):
+        state = drafter.update_state(embed(beams[..., -1]), state)  # (B, W, D)
+        logprobs = drafter.log_probs(hidden, state)  # (B, W, V)
+        vocab = logprobs.shape[-1]
+        candidates = (scores[..., None] + logprobs).reshape(batch, -1)  # (B, W*V)
+        best = _top_k(candidates, width)  # (B, W)
+        parent, draft_index = best // vocab, best % vocab
+        scores = mx.take_along_axis(candidates, best, axis=-1)
+        step_logprobs = mx.take_along_axis(logprobs.reshape(batch, -1), best, axis=-1)
+        tokens = drafter.token_ids(draft_index).astype(mx.int32)
+        beams = mx.concatenate(
+            [mx.take_along_axis(beams, parent[..., None], axis=1), tokens[..., None]], -1
+        )
+        token_logprobs = mx.concatenate(
+            [mx.take_along_axis(token_logprobs, parent[..., None], axis=1), step_logprobs[..., None]],
+            -1,
+        )
+        state = mx.take_along_axis(state, parent[..., None], axis=1)
+
+    if width < beam_width:  # tiny draft vocabularies: repeat the last beam
+        pad = beam_width - width
+        beams = mx.concatenate([beams, mx.repeat(beams[:, -1:], pad, axis=1)], axis=1)
+        token_logprobs = mx.concatenate(
+            [token_logprobs, mx.repeat(token_logprobs[:, -1:], pad, axis=1)], axis=1
+        )
+    return beams, token_logprobs

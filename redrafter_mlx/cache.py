@@ -1,0 +1,203 @@
+"""The KV cache for tree verification, plugged into unmodified mlx-lm models.
+
+Every attention layer gets a ``TreeKVCache``; all of them share one
+``CacheLayout`` that says where each row's committed tokens are, and what the
+block being fed now is (a causal chunk of the prompt, or a packed tree). The
+model sees the layout only through the cache interface mlx-lm models use:
+``offset`` (RoPE positions), ``update_and_fetch`` and ``make_mask``.
+
+Buffer layout, per row b of the batch::
+
+    [ left padding | committed tokens | junk | block being verified ]
+    0          pad[b]            length[b]    start      start + block
+
+``start`` is the largest committed length; rows that accepted fewer tokens
+than others have junk between their end and ``start``, which the mask hides.
+A tree's accepted path is later copied to ``length[b]``, so a row's
+committed tokens always stay contiguous, with position = index - pad[b].
+"""
+
+from typing import Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+STEP = 256  # grow buffers in multiples of this many positions, like mlx-lm
+
+
+class CacheLayout:
+    """Host-side bookkeeping shared by all layers.
+
+    left_padding, lengths: (batch,) numpy int arrays (see module docstring).
+    Call ``begin_chunk`` or ``begin_tree`` before each forward pass and
+    ``end_chunk`` or ``commit`` after it.
+    """
+
+    def __init__(self, left_padding: list[int]):
+        self.left_padding = np.asarray(left_padding, dtype=np.int64)
+        self.lengths = np.zeros_like(self.left_padding)
+        self.offset = None  # what RoPE gets for the current block
+        self._depths: Optional[mx.array] = None  # (B, N), tree mode only
+        self._tree_mask: Optional[mx.array] = None  # (B, N, N), tree mode only
+        self._masks: dict = {}
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def start(self) -> int:
+        return int(self.lengths.max())
+
+    def begin_chunk(self) -> None:
+        """The next block is a causal chunk of the (left-padded) prompts. Only
+        valid while all rows have the same length, i.e. before any tree."""
+        assert (self.lengths == self.lengths[0]).all(), "chunks need aligned rows"
+        self._depths = self._tree_mask = None
+        self._masks = {}
+        positions = self.lengths - self.left_padding
+        if self.batch_size == 1:
+            self.offset = int(positions[0])
+        else:
+            self.offset = mx.array(positions, mx.int32)
+
+    def end_chunk(self, num_tokens: int) -> None:
+        self.lengths += num_tokens
+
+    def begin_tree(self, depths: mx.array, tree_mask: mx.array) -> None:
+        """The next block is a packed tree: depths (B, N), tree_mask (B, N, N)."""
+        self._depths, self._tree_mask, self._masks = depths, tree_mask, {}
+        positions = mx.array(self.lengths - self.left_padding, mx.int32)
+        self.offset = positions[:, None] + depths  # (B, N) per-token positions
+
+    def commit(self, accepted: np.ndarray) -> None:
+        """Rows advance by ``accepted`` (B,) tokens after a tree step."""
+        self.lengths += accepted
+
+    def mask(self, num_tokens: int, window_size: Optional[int]) -> mx.array:
+        """(B, 1, N, start + N) bool: which keys each query of the block sees."""
+        if window_size not in self._masks:
+            self._masks[window_size] = self._make_mask(num_tokens, window_size)
+        return self._masks[window_size]
+
+    def _make_mask(self, num_tokens: int, window_size: Optional[int]) -> mx.array:
+        start = self.start
+        keys = mx.arange(start + num_tokens)[None, None, :]  # (1, 1, S)
+        pad = mx.array(self.left_padding, mx.int32)[:, None, None]
+        length = mx.array(self.lengths, mx.int32)[:, None, None]
+        block_index = keys - start
+        committed = (keys >= pad) & (keys < length)  # (B, 1, S)
+        if self._depths is None:
+            query = mx.arange(num_tokens)[None, :, None]  # (1, N, 1)
+            # A padding query sees itself only, so its softmax stays finite.
+            block = (block_index >= 0) & (block_index <= query) & (keys >= pad)
+            block = block | (block_index == query)
+            query_pos = length - pad + query
+            key_depth = block_index
+        else:
+            block = mx.pad(self._tree_mask, [(0, 0), (0, 0), (start, 0)])
+            query_pos = length - pad + self._depths[:, :, None]
+            key_depth = mx.pad(self._depths, [(0, 0), (start, 0)])[:, None, :]
+        visible = committed | block
+        if window_size is not None:
+            key_pos = mx.where(block_index >= 0, length - pad + key_depth, keys - pad)
+            visible = visible & (query_pos - key_pos < window_size)
+        return visible[:, None]
+
+    def filter(self, rows: list[int]) -> None:
+        """Keep only these rows (finished rows leave the batch)."""
+        self.left_padding = self.left_padding[rows]
+        self.lengths = self.lengths[rows]
+
+
+class TreeKVCache:
+    """One layer's keys and values, (B, kv_heads, capacity, head_dim)."""
+
+    def __init__(self, layout: CacheLayout):
+        self.layout = layout
+        self.keys: Optional[mx.array] = None
+        self.values: Optional[mx.array] = None
+
+    @property
+    def offset(self):
+        return self.layout.offset
+
+    def make_mask(self, num_tokens: int, return_array: bool = False, window_size=None):
+        return self.layout.mask(num_tokens, window_size)
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        start, num_tokens = self.layout.start, keys.shape[2]
+        end = start + num_tokens
+        if self.keys is None or end > self.keys.shape[2]:
+            self._grow(keys, values, end)
+        self.keys[..., start:end, :] = keys
+        self.values[..., start:end, :] = values
+        return self.keys[..., :end, :], self.values[..., :end, :]
+
+    def _grow(self, keys: mx.array, values: mx.array, needed: int) -> None:
+        capacity = (needed + STEP - 1) // STEP * STEP
+        batch, heads, _, key_dim = keys.shape
+        new_keys = mx.zeros((batch, heads, capacity, key_dim), keys.dtype)
+        new_values = mx.zeros((batch, heads, capacity, values.shape[3]), values.dtype)
+        if self.keys is not None:
+            old = self.keys.shape[2]
+            new_keys[..., :old, :] = self.keys
+            new_values[..., :old, :] = self.values
+        self.keys, self.values = new_keys, new_values
+
+    def commit_path(self, path: mx.array) -> None:
+        """Copy the tree nodes ``path`` (B, P), packed indices of the block,
+        to each row's end, ``lengths[b] .. lengths[b] + P``. Only the
+        accepted prefix of the path is kept (the caller advances lengths)."""
+        start = self.layout.start
+        source = (start + path)[:, None, :, None]
+        target = mx.array(self.layout.lengths, mx.int32)[:, None, None, None]
+        target = target + mx.arange(path.shape[1])[None, None, :, None]
+        for name in ("keys", "values"):
+            buffer = getattr(self, name)
+            shape = (*buffer.shape[:2], path.shape[1], buffer.shape[3])
+            moved = mx.take_along_axis(buffer, mx.broadcast_to(source, shape), axis=2)
+            setattr(self, name, mx.put_along_axis(buffer, mx.broadcast_to(target, shape), moved, axis=2))
+
+    def filter(self, rows: mx.array) -> None:
+        self.keys, self.values = self.keys[rows], self.values[rows]
+
+    def state_arrays(self) -> list:
+        return [self.keys, self.values]
+
+
+class TreeRoPE(nn.Module):
+    """Wraps a model's RoPE module so that an ``offset`` of shape (B, N) gives
+    each token its own position. Any other offset passes straight through.
+
+    ``mx.fast.rope`` takes one offset per batch row, so each token is rotated
+    as a row of its own: (B, H, N, D) -> (B*N, H, 1, D) and back.
+    """
+
+    def __init__(self, rope: nn.Module):
+        super().__init__()
+        self.rope = rope
+
+    def __call__(self, x: mx.array, offset=0):
+        if not (isinstance(offset, mx.array) and offset.ndim == 2):
+            return self.rope(x, offset=offset)
+        batch, heads, num_tokens, dim = x.shape
+        rows = x.transpose(0, 2, 1, 3).reshape(batch * num_tokens, heads, 1, dim)
+        rotated = self.rope(rows, offset=offset.reshape(-1))
+        return rotated.reshape(batch, num_tokens, heads, dim).transpose(0, 2, 1, 3)
+
+
+def is_rope(module: nn.Module) -> bool:
+    return isinstance(module, nn.RoPE) or type(module).__module__.endswith("rope_utils")
+
+
+def install_tree_rope(model: nn.Module) -> int:
+    """Wrap every RoPE module of ``model`` in place; returns how many."""
+    count = 0
+    for _, parent in model.named_modules():
+        for name, child in list(parent.items()):
+            if isinstance(child, nn.Module) and not isinstance(parent, TreeRoPE) and is_rope(child):
+                parent[name] = TreeRoPE(child)
+                count += 1
+    return count

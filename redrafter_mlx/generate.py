@@ -1,0 +1,233 @@
+"""The ReDrafter generation loop.
+
+One step: draft beams with the RNN, pack them into a prefix tree, verify the
+tree in one forward pass of the base model, accept the longest agreeing path
+plus a bonus token, and keep only that path in the KV cache. The next step's
+drafting is built into the same lazy graph, so each step has exactly one
+host synchronisation: reading the accepted tokens and the next tree's size.
+"""
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Optional, Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from .acceptance import accept
+from .base_model import BaseModel
+from .beam_search import beam_search
+from .drafter import Drafter
+from .errors import UserError
+from .tree import Tree, pack_beams
+
+PREFILL_STEP_SIZE = 2048
+
+# choose(logits (B, N, vocab), histories) -> (B, N) token ids; histories gives
+# each row's context and each node's ancestors for history-dependent processors.
+Chooser = Callable[[mx.array, "TokenHistory"], mx.array]
+
+
+def greedy(logits: mx.array, history: "TokenHistory") -> mx.array:
+    return mx.argmax(logits, axis=-1)
+
+
+@dataclass
+class ReDrafter:
+    """A base model and its drafter."""
+
+    base: BaseModel
+    drafter: Drafter
+
+
+@dataclass
+class TokenHistory:
+    """What a node's token choice may depend on besides its logits.
+
+    context: per row, the prompt and all tokens committed so far (host lists).
+    node_tokens: (B, N) tokens of the nodes being scored (None at prefill).
+    node_mask: (B, N, N) ancestor-or-self mask of those nodes (None at prefill).
+    """
+
+    context: list
+    node_tokens: Optional[mx.array] = None
+    node_mask: Optional[mx.array] = None
+
+
+@dataclass
+class StepOutput:
+    """What one step (or the prefill) produced for one row.
+
+    row: index of the prompt in the input list.
+    tokens: new token ids, already cut at EOS (which is not included) and
+        at max_tokens.
+    num_accepted: drafted tokens the base model accepted in this step (None
+        for the first token, which comes from the prefill).
+    finish_reason: None while the row goes on, else "stop" or "length".
+    """
+
+    row: int
+    tokens: list
+    num_accepted: Optional[int]
+    finish_reason: Optional[str] = None
+
+
+@dataclass
+class StepTiming:
+    """Seconds spent per phase when ``profile=True`` (extra syncs)."""
+
+    prefill: float = 0.0
+    drafting: float = 0.0
+    verification: float = 0.0
+    acceptance: float = 0.0
+    steps: int = 0
+
+
+def check_settings(max_tokens: int, beam_width: int, beam_length: int) -> None:
+    if beam_width < 1:
+        raise UserError(f"beam width must be at least 1, got {beam_width}")
+    if beam_length < 2:
+        raise UserError(f"beam length must be at least 2, got {beam_length}")
+    if max_tokens < 0:
+        raise UserError(f"max tokens must be at least 0, got {max_tokens}")
+
+
+def generate_steps(
+    redrafter: ReDrafter,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_tokens: int = 256,
+    beam_width: int = 4,
+    beam_length: int = 5,
+    choose: Chooser = greedy,
+    eos_token_ids: Sequence[int] = (),
+    prefill_step_size: int = PREFILL_STEP_SIZE,
+    timing: Optional[StepTiming] = None,
+) -> Iterator[list[StepOutput]]:
+    """Generate for a batch of tokenized prompts; yields, after the prefill
+    and after each verification step, one ``StepOutput`` per row that
+    produced tokens. Rows that finish leave the batch.
+
+    With ``timing`` given, phases are synchronised separately and their
+    seconds added to it (for benchmarks; it costs extra syncs).
+    """
+    check_settings(max_tokens, beam_width, beam_length)
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise UserError("every prompt needs at least one token")
+    base, drafter = redrafter.base, redrafter.drafter
+    longest = max(len(p) for p in prompts)
+    if base.max_context and longest >= base.max_context:
+        raise UserError(
+            f"prompt of {longest} tokens does not fit the model's context of "
+            f"{base.max_context} tokens"
+        )
+    if max_tokens == 0:
+        return
+    eos = set(eos_token_ids)
+    rows = list(range(len(prompts)))  # input index of each active row
+    context = [list(p) for p in prompts]
+    produced = [0] * len(prompts)
+    sync = _Sync(timing)
+
+    # Prefill: all but the last prompt token in chunks, then the last token
+    # alone, the way mlx-lm's generation loop does it.
+    left_padding = [longest - len(p) for p in prompts]
+    padded = mx.array([[0] * pad + list(p) for pad, p in zip(left_padding, prompts)], mx.int32)
+    layout, cache = base.make_cache(left_padding)
+    for begin in range(0, longest - 1, prefill_step_size):
+        end = min(begin + prefill_step_size, longest - 1)
+        layout.begin_chunk()
+        base.backbone(padded[:, begin:end], cache=cache)
+        layout.end_chunk(end - begin)
+        mx.eval([c.state_arrays() for c in cache])
+    layout.begin_chunk()
+    hidden, logits = base(padded[:, -1:], cache)
+    layout.end_chunk(1)
+    next_token = choose(logits, TokenHistory(context))[:, 0]
+    next_hidden = hidden[:, -1]
+    beams, _ = beam_search(drafter, base.embed, next_hidden, next_token, beam_width, beam_length)
+    tree = pack_beams(beams)
+    sync("prefill", next_token, tree.num_nodes, [c.state_arrays() for c in cache])
+
+    outputs, finished = [], []
+    for i, token in enumerate(np.array(next_token).tolist()):
+        outputs.append(_emit(rows[i], [token], None, context, produced, eos, max_tokens))
+        if outputs[-1].finish_reason:
+            finished.append(i)
+    yield outputs
+
+    while True:
+        if finished:
+            keep = [i for i in range(len(rows)) if i not in set(finished)]
+            if not keep:
+                return
+            rows = [rows[i] for i in keep]
+            keep_index = mx.array(keep)
+            layout.filter(keep)
+            for c in cache:
+                c.filter(keep_index)
+            beams, tree = beams[keep_index], _filter_tree(tree, keep_index)
+        tree = tree.truncate(int(np.array(tree.num_nodes).max()))
+
+        layout.begin_tree(tree.depths, tree.mask)
+        hidden, logits = base(tree.tokens, cache)
+        sync("verification", hidden, logits)
+        choices = choose(logits, TokenHistory([context[r] for r in rows], tree.tokens, tree.mask))
+        step = accept(beams, tree.unpack, choices, hidden)
+        for c in cache:
+            c.commit_path(step.path)
+        sync("acceptance", step.tokens, [c.state_arrays() for c in cache])
+        beams, _ = beam_search(
+            drafter, base.embed, step.next_hidden, step.next_token, beam_width, beam_length
+        )
+        tree = pack_beams(beams)
+        sync("drafting", step.num_accepted, step.tokens, tree.num_nodes, [c.state_arrays() for c in cache])
+
+        num_accepted = np.array(step.num_accepted)
+        layout.commit(num_accepted + 1)
+        tokens = np.array(step.tokens)
+        outputs, finished = [], []
+        for i, n in enumerate(num_accepted.tolist()):
+            out = _emit(rows[i], tokens[i, : n + 1].tolist(), n, context, produced, eos, max_tokens)
+            outputs.append(out)
+            if out.finish_reason:
+                finished.append(i)
+        if timing is not None:
+            timing.steps += 1
+        yield outputs
+
+
+def _emit(row, tokens, num_accepted, context, produced, eos, max_tokens) -> StepOutput:
+    """Cut new tokens at EOS and max_tokens, record them, report the row."""
+    finish = None
+    for i, token in enumerate(tokens):
+        if token in eos:
+            tokens, finish = tokens[:i], "stop"
+            break
+    room = max_tokens - produced[row]
+    if len(tokens) >= room:
+        tokens, finish = tokens[:room], finish or "length"
+    context[row].extend(tokens)
+    produced[row] += len(tokens)
+    return StepOutput(row, tokens, num_accepted, finish)
+
+
+def _filter_tree(tree: Tree, rows: mx.array) -> Tree:
+    return Tree(*(getattr(tree, f)[rows] for f in ("tokens", "depths", "mask", "unpack", "num_nodes")))
+
+
+class _Sync:
+    """Evaluates at the end of the step, or after every phase when timing."""
+
+    def __init__(self, timing: Optional[StepTiming]):
+        self.timing = timing
+        self.last = time.perf_counter()
+
+    def __call__(self, phase: str, *arrays) -> None:
+        if self.timing is None and phase not in ("prefill", "drafting"):
+            return
+        mx.eval(*arrays)
+        if self.timing is not None:
+            now = time.perf_counter()
+            setattr(self.timing, phase, getattr(self.timing, phase) + now - self.last)
+            self.last = now

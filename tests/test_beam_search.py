@@ -1,0 +1,56 @@
+"""Beam search against a brute-force enumeration on a tiny drafter."""
+
+import itertools
+
+import mlx.core as mx
+import numpy as np
+from conftest import HIDDEN, tiny_drafter
+
+from redrafter_mlx.beam_search import beam_search
+
+
+def sequence_logprob(drafter, embed, hidden, tokens):
+    draft_index = {t: i for i, t in enumerate(np.array(drafter.draft_token_ids).tolist())}
+    state, per_token = None, []
+    for prev, nxt in zip(tokens[:-1], tokens[1:]):
+        state = drafter.update_state(embed(mx.array([prev])), state)
+        logprobs = drafter.log_probs(hidden[None], state)[0]
+        per_token.append(logprobs[draft_index[nxt]].item())
+    return sum(per_token), per_token
+
+
+def test_beams_are_the_best_scoring_sequences_of_a_small_vocabulary():
+    """With draft vocabulary V=6 and width >= V, beam search up to depth 2
+    is exhaustive over the first token, so the top beams are exactly the
+    best sequences found by enumeration, in order."""
+    drafter = tiny_drafter(seed=3, draft_vocab=6)
+    mx.random.seed(5)
+    table = mx.random.normal((256, HIDDEN))
+    embed = lambda t: table[t]
+    hidden = mx.random.normal((2, HIDDEN))
+    first = mx.array([11, 12])
+    beams, logprobs = beam_search(drafter, embed, hidden, first, beam_width=6, beam_length=3)
+    assert beams.shape == (2, 6, 3) and logprobs.shape == (2, 6, 2)
+    vocab = np.array(drafter.draft_token_ids).tolist()
+    for row in range(2):
+        scored = []
+        for a, b in itertools.product(vocab, vocab):
+            seq = [first[row].item(), a, b]
+            scored.append((sequence_logprob(drafter, embed, hidden[row], seq)[0], seq))
+        scored.sort(key=lambda x: -x[0])
+        assert beams[row].tolist() == [seq for _, seq in scored[:6]]
+        for w in range(6):
+            _, per_token = sequence_logprob(drafter, embed, hidden[row], beams[row, w].tolist())
+            assert np.allclose(logprobs[row, w].tolist(), per_token, atol=1e-5)
+
+
+def test_column_zero_is_the_given_token_and_drafts_come_from_the_draft_vocabulary():
+    drafter = tiny_drafter(seed=4, draft_vocab=10)
+    table = mx.random.normal((256, HIDDEN))
+    beams, _ = beam_search(drafter, lambda t: table[t], mx.random.normal((3, HIDDEN)), mx.array([1, 2, 3]), 4, 5)
+    assert beams[:, :, 0].tolist() == [[1] * 4, [2] * 4, [3] * 4]
+    allowed = set(np.array(drafter.draft_token_ids).tolist())
+    assert set(np.array(beams[:, :, 1:]).ravel().tolist()) <= allowed
+    # Beams are distinct sequences.
+    for row in np.array(beams):
+        assert len({tuple(b) for b in row}) == 4

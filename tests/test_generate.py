@@ -1,0 +1,132 @@
+"""Greedy parity with mlx-lm's own generation loop, on tiny random models."""
+
+import itertools
+
+import mlx.core as mx
+import pytest
+from conftest import OracleDrafter, tiny_drafter, tiny_model
+from mlx_lm.generate import generate_step
+
+from redrafter_mlx.base_model import BaseModel
+from redrafter_mlx.errors import UserError
+from redrafter_mlx.generate import ReDrafter, generate_steps
+
+NUM_TOKENS = 64
+SHAPES = [(1, 2), (4, 4), (8, 5)]
+DRAFTERS = [
+    dict(rnn=True),
+    dict(rnn=False),
+    dict(rnn=True, exit_dim=96, layers=2),
+    dict(rnn=False, exit_dim=48, layers=0),
+]
+MODELS = [("llama", False), ("qwen2", False), ("gemma3", False), ("llama", True)]
+
+
+def mlx_lm_greedy(model, prompt, num_tokens):
+    steps = generate_step(mx.array(prompt), model, max_tokens=num_tokens)
+    return [token for token, _ in itertools.islice(steps, num_tokens)]
+
+
+def run(redrafter, prompts, **kwargs):
+    outputs = [[] for _ in prompts]
+    accepted = []
+    for step in generate_steps(redrafter, prompts, **kwargs):
+        for out in step:
+            outputs[out.row] += out.tokens
+            if out.num_accepted is not None:
+                accepted.append(out.num_accepted)
+    return outputs, accepted
+
+
+@pytest.fixture(scope="module", params=MODELS, ids=lambda m: m[0] + ("-4bit" if m[1] else ""))
+def base_and_reference(request):
+    kind, quantize = request.param
+    base = BaseModel(tiny_model(kind, seed=1, quantize=quantize))
+    prompt = [5, 17, 42, 99, 3, 250, 7, 18]
+    return base, prompt, mlx_lm_greedy(base.model, prompt, NUM_TOKENS + 8)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_greedy_parity_random_drafters(base_and_reference, shape):
+    base, prompt, reference = base_and_reference
+    for i, drafter_kwargs in enumerate(DRAFTERS):
+        redrafter = ReDrafter(base, tiny_drafter(seed=i, **drafter_kwargs))
+        (tokens,), _ = run(redrafter, [prompt], max_tokens=NUM_TOKENS, beam_width=shape[0], beam_length=shape[1])
+        assert tokens == reference[:NUM_TOKENS], drafter_kwargs
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_greedy_parity_partly_right_drafter(base_and_reference, shape):
+    """A drafter that is right up to a random depth each step: accepted
+    paths of every length get committed, and the output must not change."""
+    base, prompt, reference = base_and_reference
+    drafter = OracleDrafter(base, [prompt + reference], corrupt=shape[1])
+    (tokens,), accepted = run(ReDrafter(base, drafter), [prompt], max_tokens=NUM_TOKENS, beam_width=shape[0], beam_length=shape[1])
+    assert tokens == reference[:NUM_TOKENS]
+    assert len(set(accepted)) > 1 or shape[1] == 2
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_oracle_drafter_accepts_every_beam(base_and_reference, shape):
+    base, prompt, reference = base_and_reference
+    width, length = shape
+    drafter = OracleDrafter(base, [prompt + reference])
+    (tokens,), accepted = run(ReDrafter(base, drafter), [prompt], max_tokens=NUM_TOKENS, beam_width=width, beam_length=length)
+    assert tokens == reference[:NUM_TOKENS]
+    # Every step but possibly the last (cut by max_tokens) accepts it all.
+    assert all(a == length - 1 for a in accepted)
+    assert len(accepted) == -(-(NUM_TOKENS - 1) // length)
+
+
+def test_kv_cache_after_steps_equals_plain_prefill(monkeypatch):
+    base = BaseModel(tiny_model("llama", seed=2))
+    prompt = [9, 8, 7, 6, 5, 4]
+    reference = mlx_lm_greedy(base.model, prompt, 40)
+    redrafter = ReDrafter(base, OracleDrafter(base, [prompt + reference], corrupt=4))
+    made = []
+    original = BaseModel.make_cache
+    monkeypatch.setattr(BaseModel, "make_cache", lambda self, pad: made.append(original(self, pad)) or made[-1])
+    (tokens,), accepted = run(redrafter, [prompt], max_tokens=30, beam_width=3, beam_length=4)
+    layout, cache = made[0]
+    length = int(layout.lengths[0])
+    assert length > len(prompt) + 10 and len(set(accepted)) > 1
+    committed = prompt + tokens[: length - len(prompt)]
+
+    from mlx_lm.models.cache import make_prompt_cache
+
+    plain = make_prompt_cache(base.model)
+    base.model(mx.array([committed]), cache=plain)
+    for ours, theirs in zip(cache, plain):
+        assert mx.allclose(ours.keys[..., :length, :], theirs.keys[..., :length, :], atol=1e-4)
+        assert mx.allclose(ours.values[..., :length, :], theirs.values[..., :length, :], atol=1e-4)
+
+
+def test_max_tokens_and_eos():
+    base = BaseModel(tiny_model("llama", seed=1))
+    prompt = [1, 2, 3]
+    reference = mlx_lm_greedy(base.model, prompt, 30)
+    redrafter = ReDrafter(base, OracleDrafter(base, [prompt + reference]))
+    (tokens,), _ = run(redrafter, [prompt], max_tokens=7, beam_width=2, beam_length=5)
+    assert tokens == reference[:7]
+    (tokens,), _ = run(redrafter, [prompt], max_tokens=0)
+    assert tokens == []
+    eos = reference[12]
+    stop = reference.index(eos)
+    (tokens,), _ = run(redrafter, [prompt], max_tokens=30, eos_token_ids=[eos])
+    assert tokens == reference[:stop]
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(beam_width=0), "beam width"),
+        (dict(beam_length=1), "beam length"),
+        (dict(max_tokens=-1), "max tokens"),
+        (dict(prompt_length=5000), "context"),
+    ],
+)
+def test_bad_settings(kwargs, message):
+    redrafter = ReDrafter(BaseModel(tiny_model("llama")), tiny_drafter())
+    prompt = [1, 2, 3] * (kwargs.pop("prompt_length", 3) // 3)
+    with pytest.raises(UserError, match=message):
+        run(redrafter, [prompt], **kwargs)
