@@ -21,6 +21,11 @@ DRAFTER_HELP = "Drafter folder (config.json + model.safetensors). Default: the d
 DTYPE_HELP = "Keep the base model in this dtype: float32, float16, bfloat16, or 'native' for the file's own. Default: float32 on the CPU, native on Metal."
 
 
+@app.callback()
+def _group() -> None:
+    """ReDrafter speculative decoding for mlx-lm models."""
+
+
 def fail(message: str) -> None:
     typer.echo(f"error: {message}", err=True)
     raise typer.Exit(1)
@@ -90,6 +95,42 @@ def _summary(text: str, tokens: list, prompt_tokens: int, last) -> dict:
         "peak_memory_gb": last.peak_memory if last else 0.0,
         "finish_reason": last.finish_reason if last else "length",
     }
+
+
+@app.command()
+def convert(
+    torch_path: str = typer.Option(..., "--torch-path", help="PyTorch drafter: a trainer output folder (config.json + model.safetensors or pytorch_model.bin), or one .pt/.bin/.safetensors state dict."),
+    mlx_path: str = typer.Option("mlx_drafter", "--mlx-path", help="Output folder (must not exist or be empty)."),
+    dtype: str = typer.Option("float16", "--dtype", help="Weight dtype: float32, float16 or bfloat16."),
+    quantize: bool = typer.Option(False, "-q", "--quantize", help="Quantize the vocab projection."),
+    q_bits: int = typer.Option(4, "--q-bits", help="Bits per weight for --quantize: 4 or 8."),
+    base_model: Optional[str] = typer.Option(None, "--base-model", help="Check hidden size and vocabulary against this base model (path, Hub id or .gguf)."),
+    config_file: Optional[str] = typer.Option(None, "--config", help="Drafter config.json to use with a bare state dict."),
+    vocab_size: Optional[int] = typer.Option(None, "--vocab-size", help="Config field for a bare state dict (else inferred)."),
+    hidden_size: Optional[int] = typer.Option(None, "--hidden-size", help="Config field for a bare state dict (else inferred)."),
+    exit_dim: Optional[int] = typer.Option(None, "--exit-dim", help="Config field for a bare state dict (else inferred)."),
+    num_draft_layers: Optional[int] = typer.Option(None, "--num-draft-layers", help="Config field for a bare state dict (else inferred)."),
+    rnn: Optional[bool] = typer.Option(None, "--rnn/--no-rnn", help="Config field for a bare state dict (else inferred)."),
+):
+    """Convert a drafter trained with PyTorch into the MLX drafter format."""
+    from redrafter_mlx.convert import convert_checkpoint
+
+    config = {}
+    if config_file:
+        try:
+            with open(config_file) as f:
+                config = json.load(f)
+        except (OSError, json.JSONDecodeError) as e:
+            fail(f"cannot read --config {config_file}: {e}")
+    fields = dict(vocab_size=vocab_size, hidden_size=hidden_size, exit_dim=exit_dim, num_draft_layers=num_draft_layers, rnn=rnn)
+    config.update({k: v for k, v in fields.items() if v is not None})
+    summary = convert_checkpoint(
+        torch_path, mlx_path, dtype=dtype, quantize_bits=q_bits if quantize else None,
+        base_model=base_model, config=config or None,
+    )
+    for note in summary["notes"]:
+        typer.echo(note)
+    typer.echo(f"wrote {summary['tensors']} tensors ({summary['bytes'] / 1e6:.1f} MB) to {summary['path']}")
 
 
 def main() -> None:

@@ -143,6 +143,11 @@ def load_drafter(path: str, dtype: Optional[mx.Dtype] = None) -> Drafter:
     if not isinstance(config, dict):
         raise UserError(f"drafter {config_path} must hold a JSON object")
     drafter = Drafter(DrafterArgs.from_dict(config))
+    quantization = config.get("quantization")
+    if quantization:  # only the vocab projection is ever quantized
+        drafter.lm_head[-1] = nn.QuantizedLinear.from_linear(
+            drafter.lm_head[-1], group_size=quantization["group_size"], bits=quantization["bits"]
+        )
     try:
         weights = mx.load(str(weights_path))
     except Exception as e:  # mlx raises plain RuntimeError/ValueError on a bad file

@@ -8,7 +8,7 @@ host synchronisation: reading the accepted tokens and the next tree's size.
 """
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Iterator, Optional, Sequence
 
 import mlx.core as mx
@@ -92,6 +92,86 @@ def check_settings(max_tokens: int, beam_width: int, beam_length: int) -> None:
         raise UserError(f"max tokens must be at least 0, got {max_tokens}")
 
 
+class RowTracker:
+    """Which prompts of a batch are still generating, what each produced, and
+    when each stops (EOS, which is not emitted, or max_tokens).
+
+    rows: input index of each active batch row, in batch order.
+    context: per input prompt, the prompt followed by its emitted tokens.
+    """
+
+    def __init__(self, prompts: Sequence[Sequence[int]], max_tokens: int, eos_token_ids: Sequence[int]):
+        self.rows = list(range(len(prompts)))
+        self.context = [list(p) for p in prompts]
+        self.produced = [0] * len(prompts)
+        self.max_tokens = max_tokens
+        self.eos = set(eos_token_ids)
+
+    def history(self, node_tokens=None, node_mask=None) -> TokenHistory:
+        return TokenHistory([self.context[r] for r in self.rows], node_tokens, node_mask)
+
+    def emit(self, tokens_per_row: list, num_accepted: Optional[list] = None) -> list[StepOutput]:
+        """Record each active row's new tokens, cut at EOS and max_tokens."""
+        outputs = []
+        for i, tokens in enumerate(tokens_per_row):
+            row, finish = self.rows[i], None
+            for j, token in enumerate(tokens):
+                if token in self.eos:
+                    tokens, finish = tokens[:j], "stop"
+                    break
+            room = self.max_tokens - self.produced[row]
+            if len(tokens) >= room:
+                tokens, finish = tokens[:room], finish or "length"
+            self.context[row].extend(tokens)
+            self.produced[row] += len(tokens)
+            accepted = None if num_accepted is None else num_accepted[i]
+            outputs.append(StepOutput(row, tokens, accepted, finish))
+        return outputs
+
+    def keep_unfinished(self, outputs: list[StepOutput]) -> Optional[list[int]]:
+        """Drop finished rows; returns the batch indices kept, or None when
+        every row goes on."""
+        keep = [i for i, out in enumerate(outputs) if out.finish_reason is None]
+        if len(keep) == len(self.rows):
+            return None
+        self.rows = [self.rows[i] for i in keep]
+        return keep
+
+
+def check_prompts(base: BaseModel, prompts: Sequence[Sequence[int]]) -> None:
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise UserError("every prompt needs at least one token")
+    longest = max(len(p) for p in prompts)
+    if base.max_context and longest >= base.max_context:
+        raise UserError(
+            f"prompt of {longest} tokens does not fit the model's context of "
+            f"{base.max_context} tokens"
+        )
+
+
+def prefill(base: BaseModel, prompts: Sequence[Sequence[int]], prefill_step_size: int = PREFILL_STEP_SIZE):
+    """Feed the left-padded prompts: all but the last token in chunks, then
+    the last token alone, the way mlx-lm's generation loop does it.
+
+    Returns (layout, cache, hidden (B, hidden_size), logits (B, 1, vocab)) at
+    the last prompt token.
+    """
+    longest = max(len(p) for p in prompts)
+    left_padding = [longest - len(p) for p in prompts]
+    padded = mx.array([[0] * pad + list(p) for pad, p in zip(left_padding, prompts)], mx.int32)
+    layout, cache = base.make_cache(left_padding)
+    for begin in range(0, longest - 1, prefill_step_size):
+        end = min(begin + prefill_step_size, longest - 1)
+        layout.begin_chunk()
+        base.backbone(padded[:, begin:end], cache=cache)
+        layout.end_chunk(end - begin)
+        mx.eval([c.state_arrays() for c in cache])
+    layout.begin_chunk()
+    hidden, logits = base(padded[:, -1:], cache)
+    layout.end_chunk(1)
+    return layout, cache, hidden[:, -1], logits
+
+
 def generate_steps(
     redrafter: ReDrafter,
     prompts: Sequence[Sequence[int]],
@@ -105,74 +185,44 @@ def generate_steps(
     timing: Optional[StepTiming] = None,
 ) -> Iterator[list[StepOutput]]:
     """Generate for a batch of tokenized prompts; yields, after the prefill
-    and after each verification step, one ``StepOutput`` per row that
-    produced tokens. Rows that finish leave the batch.
+    and after each verification step, one ``StepOutput`` per active row.
+    Rows that finish leave the batch.
 
     With ``timing`` given, phases are synchronised separately and their
     seconds added to it (for benchmarks; it costs extra syncs).
     """
     check_settings(max_tokens, beam_width, beam_length)
-    if not prompts or any(len(p) == 0 for p in prompts):
-        raise UserError("every prompt needs at least one token")
     base, drafter = redrafter.base, redrafter.drafter
-    longest = max(len(p) for p in prompts)
-    if base.max_context and longest >= base.max_context:
-        raise UserError(
-            f"prompt of {longest} tokens does not fit the model's context of "
-            f"{base.max_context} tokens"
-        )
+    check_prompts(base, prompts)
     if max_tokens == 0:
         return
-    eos = set(eos_token_ids)
-    rows = list(range(len(prompts)))  # input index of each active row
-    context = [list(p) for p in prompts]
-    produced = [0] * len(prompts)
+    tracker = RowTracker(prompts, max_tokens, eos_token_ids)
     sync = _Sync(timing)
 
-    # Prefill: all but the last prompt token in chunks, then the last token
-    # alone, the way mlx-lm's generation loop does it.
-    left_padding = [longest - len(p) for p in prompts]
-    padded = mx.array([[0] * pad + list(p) for pad, p in zip(left_padding, prompts)], mx.int32)
-    layout, cache = base.make_cache(left_padding)
-    for begin in range(0, longest - 1, prefill_step_size):
-        end = min(begin + prefill_step_size, longest - 1)
-        layout.begin_chunk()
-        base.backbone(padded[:, begin:end], cache=cache)
-        layout.end_chunk(end - begin)
-        mx.eval([c.state_arrays() for c in cache])
-    layout.begin_chunk()
-    hidden, logits = base(padded[:, -1:], cache)
-    layout.end_chunk(1)
-    next_token = choose(logits, TokenHistory(context))[:, 0]
-    next_hidden = hidden[:, -1]
-    beams, _ = beam_search(drafter, base.embed, next_hidden, next_token, beam_width, beam_length)
+    layout, cache, hidden, logits = prefill(base, prompts, prefill_step_size)
+    next_token = choose(logits, tracker.history())[:, 0]
+    beams, _ = beam_search(drafter, base.embed, hidden, next_token, beam_width, beam_length)
     tree = pack_beams(beams)
     sync("prefill", next_token, tree.num_nodes, [c.state_arrays() for c in cache])
-
-    outputs, finished = [], []
-    for i, token in enumerate(np.array(next_token).tolist()):
-        outputs.append(_emit(rows[i], [token], None, context, produced, eos, max_tokens))
-        if outputs[-1].finish_reason:
-            finished.append(i)
+    outputs = tracker.emit([[t] for t in np.array(next_token).tolist()])
     yield outputs
 
     while True:
-        if finished:
-            keep = [i for i in range(len(rows)) if i not in set(finished)]
+        keep = tracker.keep_unfinished(outputs)
+        if keep is not None:
             if not keep:
                 return
-            rows = [rows[i] for i in keep]
-            keep_index = mx.array(keep)
             layout.filter(keep)
+            keep = mx.array(keep)
             for c in cache:
-                c.filter(keep_index)
-            beams, tree = beams[keep_index], _filter_tree(tree, keep_index)
+                c.filter(keep)
+            beams, tree = beams[keep], _filter_tree(tree, keep)
         tree = tree.truncate(int(np.array(tree.num_nodes).max()))
 
         layout.begin_tree(tree.depths, tree.mask)
         hidden, logits = base(tree.tokens, cache)
         sync("verification", hidden, logits)
-        choices = choose(logits, TokenHistory([context[r] for r in rows], tree.tokens, tree.mask))
+        choices = choose(logits, tracker.history(tree.tokens, tree.mask))
         step = accept(beams, tree.unpack, choices, hidden)
         for c in cache:
             c.commit_path(step.path)
@@ -186,30 +236,12 @@ def generate_steps(
         num_accepted = np.array(step.num_accepted)
         layout.commit(num_accepted + 1)
         tokens = np.array(step.tokens)
-        outputs, finished = [], []
-        for i, n in enumerate(num_accepted.tolist()):
-            out = _emit(rows[i], tokens[i, : n + 1].tolist(), n, context, produced, eos, max_tokens)
-            outputs.append(out)
-            if out.finish_reason:
-                finished.append(i)
+        outputs = tracker.emit(
+            [tokens[i, : n + 1].tolist() for i, n in enumerate(num_accepted)], num_accepted.tolist()
+        )
         if timing is not None:
             timing.steps += 1
         yield outputs
-
-
-def _emit(row, tokens, num_accepted, context, produced, eos, max_tokens) -> StepOutput:
-    """Cut new tokens at EOS and max_tokens, record them, report the row."""
-    finish = None
-    for i, token in enumerate(tokens):
-        if token in eos:
-            tokens, finish = tokens[:i], "stop"
-            break
-    room = max_tokens - produced[row]
-    if len(tokens) >= room:
-        tokens, finish = tokens[:room], finish or "length"
-    context[row].extend(tokens)
-    produced[row] += len(tokens)
-    return StepOutput(row, tokens, num_accepted, finish)
 
 
 def _filter_tree(tree: Tree, rows: mx.array) -> Tree:
