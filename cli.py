@@ -2,6 +2,7 @@
 
 import json
 import sys
+import time
 from typing import Optional
 
 import typer
@@ -31,6 +32,23 @@ def fail(message: str) -> None:
     raise typer.Exit(1)
 
 
+def _sampling(temp, top_p, top_k, min_p, repetition_penalty, seed):
+    from redrafter_mlx.sampling import SamplingSettings, make_chooser
+
+    settings = SamplingSettings(
+        temp=temp, top_p=top_p, top_k=top_k, min_p=min_p, repetition_penalty=repetition_penalty, seed=seed
+    )
+    return make_chooser(settings)
+
+
+TEMP = typer.Option(0.0, "--temp", help="Sampling temperature; 0 is greedy.")
+TOP_P = typer.Option(1.0, "--top-p", help="Nucleus sampling: keep the most likely tokens up to this probability mass; 1 keeps all.")
+TOP_K = typer.Option(0, "--top-k", help="Keep only the k most likely tokens; 0 keeps all.")
+MIN_P = typer.Option(0.0, "--min-p", help="Drop tokens less likely than min-p times the most likely one; 0 keeps all.")
+REPETITION_PENALTY = typer.Option(None, "--repetition-penalty", help="Penalty > 1 for tokens among the last 20; off by default.")
+SEED = typer.Option(0, "--seed", help="Random seed; the same seed gives the same output, in a batch or alone.")
+
+
 def _dtype(value: Optional[str]) -> Optional[str]:
     if value is None:
         return "auto"
@@ -43,7 +61,12 @@ def generate(
     model: Optional[str] = typer.Option(None, "--model", "-m", help=MODEL_HELP),
     drafter: Optional[str] = typer.Option(None, "--drafter", "-d", help=DRAFTER_HELP),
     max_tokens: int = typer.Option(256, "--max-tokens", "-n", help="Maximum number of tokens to generate."),
-    temp: float = typer.Option(0.0, "--temp", help="Sampling temperature; 0 is greedy."),
+    temp: float = TEMP,
+    top_p: float = TOP_P,
+    top_k: int = TOP_K,
+    min_p: float = MIN_P,
+    repetition_penalty: Optional[float] = REPETITION_PENALTY,
+    seed: int = SEED,
     beam_width: int = typer.Option(4, "--beam-width", help="Beams drafted per step."),
     beam_length: int = typer.Option(5, "--beam-length", help="Tokens per beam, counting the last verified token (so beam_length - 1 drafted)."),
     ignore_chat_template: bool = typer.Option(False, "--ignore-chat-template", help="Encode the prompt as it is, without the chat template."),
@@ -56,15 +79,16 @@ def generate(
     from redrafter_mlx.generate import check_settings
     from redrafter_mlx.loading import load
 
-    if temp != 0:
-        fail("only greedy decoding (--temp 0) is available in this version")
+    choose = _sampling(temp, top_p, top_k, min_p, repetition_penalty, seed)
     check_settings(max_tokens, beam_width, beam_length)
     if prompt == "-":
         prompt = sys.stdin.read()
     redrafter, tokenizer = load(model, drafter, dtype=_dtype(dtype), quantize=quantize)
     prompt_ids = encode_prompt(tokenizer, prompt, chat_template=not ignore_chat_template)
     text, tokens, last = "", [], None
-    for last in stream_generate(redrafter, tokenizer, prompt_ids, max_tokens, beam_width=beam_width, beam_length=beam_length):
+    for last in stream_generate(
+        redrafter, tokenizer, prompt_ids, max_tokens, beam_width=beam_width, beam_length=beam_length, choose=choose
+    ):
         text += last.text
         tokens += last.tokens
         if not as_json:
@@ -95,6 +119,116 @@ def _summary(text: str, tokens: list, prompt_tokens: int, last) -> dict:
         "peak_memory_gb": last.peak_memory if last else 0.0,
         "finish_reason": last.finish_reason if last else "length",
     }
+
+
+@app.command()
+def distill(
+    prompts: str = typer.Option(..., "--prompts", help="JSONL file with a \"prompt\" field per line (the chat template is applied)."),
+    output: str = typer.Option(..., "--output", "-o", help="Data folder to create, or to resume."),
+    model: Optional[str] = typer.Option(None, "--model", "-m", help=MODEL_HELP),
+    max_tokens: int = typer.Option(256, "--max-tokens", "-n", help="Maximum response tokens per prompt."),
+    temp: float = TEMP,
+    top_p: float = TOP_P,
+    seed: int = SEED,
+    batch_size: int = typer.Option(32, "--batch-size", "-b", help="Prompts generated together."),
+    limit: Optional[int] = typer.Option(None, "--limit", help="Use only the first N prompts."),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help=DTYPE_HELP),
+):
+    """Generate distillation data: the base model's own responses to prompts."""
+    from redrafter_mlx.api import encode_prompt
+    from redrafter_mlx.autoregressive import autoregressive_steps
+    from redrafter_mlx.base_model import BaseModel
+    from redrafter_mlx.distill import DataFolder, distill as run_distill, read_prompts
+    from redrafter_mlx.loading import load_base_model
+
+    if max_tokens < 1 or batch_size < 1:
+        fail("--max-tokens and --batch-size must be at least 1")
+    choose = _sampling(temp, top_p, 0, 0.0, None, seed)
+    texts = read_prompts(prompts)[:limit]
+    base_model, tokenizer = load_base_model(model, _dtype(dtype))
+    base = BaseModel(base_model)
+
+    def generate_batch(batch):
+        responses = [[] for _ in batch]
+        for step in autoregressive_steps(base, batch, max_tokens=max_tokens, choose=choose, eos_token_ids=tokenizer.eos_token_ids):
+            for out in step:
+                responses[out.row] += out.tokens
+        return responses
+
+    settings = dict(model=model or "default", max_tokens=max_tokens, temp=temp, top_p=top_p, seed=seed)
+    totals = run_distill(base, lambda text: encode_prompt(tokenizer, text), texts, DataFolder(output), settings, generate_batch, batch_size)
+    typer.echo(
+        f"{totals['new_prompts']} prompts, {totals['new_tokens']} new tokens in {totals['seconds']:.0f} s; "
+        f"{output} holds {totals['prompts']} prompts"
+    )
+
+
+@app.command()
+def train(
+    data: str = typer.Option(..., "--data", help="Distillation data folder made by `redrafter-mlx distill`."),
+    output: str = typer.Option(..., "--output", "-o", help="Drafter folder to write; training resumes from its checkpoint/ if present."),
+    model: Optional[str] = typer.Option(None, "--model", "-m", help=MODEL_HELP + " Must be the model the data was distilled from."),
+    steps: int = typer.Option(2000, "--steps", help="Optimizer steps."),
+    batch_size: int = typer.Option(1024, "--batch-size", "-b", help="Training positions per step."),
+    learning_rate: float = typer.Option(1e-3, "--learning-rate", help="Peak AdamW learning rate (linear warm-up, then cosine decay to 0)."),
+    warmup: int = typer.Option(100, "--warmup", help="Warm-up steps."),
+    weight_decay: float = typer.Option(0.0, "--weight-decay", help="AdamW weight decay."),
+    grad_clip: float = typer.Option(1.0, "--grad-clip", help="Clip the gradient's global norm to this."),
+    depth: int = typer.Option(5, "--depth", help="T: tokens drafted per position during training (teacher forcing)."),
+    exit_dim: int = typer.Option(1024, "--exit-dim", help="Width of the drafter's residual blocks."),
+    num_draft_layers: int = typer.Option(1, "--num-draft-layers", help="Residual blocks before the vocab projection."),
+    rnn: bool = typer.Option(True, "--rnn/--no-rnn", help="Recurrent state update (else a running sum of embeddings)."),
+    draft_vocab: int = typer.Option(0, "--draft-vocab", help="Project onto only the N most frequent generated tokens; 0 for the full vocabulary."),
+    drafter_dtype: str = typer.Option("float32", "--drafter-dtype", help="Drafter weights while training: float32 or bfloat16."),
+    eval_every: int = typer.Option(250, "--eval-every", help="Evaluate on held-out sequences every N steps."),
+    save_every: int = typer.Option(250, "--save-every", help="Write a resumable checkpoint every N steps."),
+    seed: int = typer.Option(0, "--seed", help="Initialisation and data-order seed."),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help=DTYPE_HELP),
+):
+    """Train a drafter on distilled data."""
+    from pathlib import Path
+
+    from redrafter_mlx.base_model import BaseModel
+    from redrafter_mlx.distill import DataFolder
+    from redrafter_mlx.loading import load_base_model
+    from redrafter_mlx.train import TrainConfig, Trainer, build_draft_vocab, build_positions, compute_hidden_cache, train as run_train
+
+    if drafter_dtype not in ("float32", "bfloat16"):
+        fail("--drafter-dtype must be float32 or bfloat16")
+    if min(steps, batch_size, depth, exit_dim, eval_every, save_every) < 1 or warmup < 0 or num_draft_layers < 0 or draft_vocab < 0:
+        fail("--steps, --batch-size, --depth, --exit-dim, --eval-every and --save-every must be positive")
+    out = Path(output)
+    if out.exists() and any(out.iterdir()) and not (out / "checkpoint").exists():
+        fail(f"output folder {output} exists and holds no training checkpoint to resume")
+    config = TrainConfig(
+        depth=depth, exit_dim=exit_dim, num_draft_layers=num_draft_layers, rnn=rnn, draft_vocab=draft_vocab,
+        dtype=drafter_dtype, steps=steps, batch_size=batch_size, learning_rate=learning_rate, warmup=warmup,
+        weight_decay=weight_decay, grad_clip=grad_clip, eval_every=eval_every, save_every=save_every, seed=seed,
+    )
+    folder = DataFolder(data)
+    if folder.meta is None:
+        fail(f"{data} is not a distillation data folder (run `redrafter-mlx distill` first)")
+    base_model, _ = load_base_model(model, _dtype(dtype))
+    base = BaseModel(base_model)
+    meta = folder.check_model(base.vocab_size, base.hidden_size)
+    sequences = folder.load()
+    hidden = compute_hidden_cache(base, folder, sequences)
+    positions = build_positions(sequences, config.depth, config.eval_fraction)
+    vocab = build_draft_vocab(sequences, draft_vocab) if draft_vocab else None
+    out.mkdir(parents=True, exist_ok=True)
+    trainer = Trainer(base, positions, hidden, config, output, vocab)
+    if trainer.load_checkpoint():
+        typer.echo(f"resuming from step {trainer.step}")
+    log_path = out / "train_log.jsonl"
+    started = time.time()
+    with open(log_path, "a") as log:
+        result = run_train(trainer, log=lambda record: log.write(json.dumps(record) + "\n"))
+    trainer.export(
+        {"training": dict(config.__dict__, data=str(data), sequences=len(sequences), positions=int((~positions.held_out).sum()),
+                          distill_settings={k: meta.get(k) for k in ("max_tokens", "temp", "num_prompts")},
+                          seconds_this_run=round(time.time() - started), **result)}
+    )
+    typer.echo(f"drafter written to {output}: {json.dumps(result)}")
 
 
 @app.command()

@@ -47,11 +47,13 @@ class TokenHistory:
     context: per row, the prompt and all tokens committed so far (host lists).
     node_tokens: (B, N) tokens of the nodes being scored (None at prefill).
     node_mask: (B, N, N) ancestor-or-self mask of those nodes (None at prefill).
+    node_depths: (B, N) their depths; the root is the context's last token.
     """
 
     context: list
     node_tokens: Optional[mx.array] = None
     node_mask: Optional[mx.array] = None
+    node_depths: Optional[mx.array] = None
 
 
 @dataclass
@@ -107,8 +109,11 @@ class RowTracker:
         self.max_tokens = max_tokens
         self.eos = set(eos_token_ids)
 
-    def history(self, node_tokens=None, node_mask=None) -> TokenHistory:
-        return TokenHistory([self.context[r] for r in self.rows], node_tokens, node_mask)
+    def history(self, tree: Optional[Tree] = None) -> TokenHistory:
+        context = [self.context[r] for r in self.rows]
+        if tree is None:
+            return TokenHistory(context)
+        return TokenHistory(context, tree.tokens, tree.mask, tree.depths)
 
     def emit(self, tokens_per_row: list, num_accepted: Optional[list] = None) -> list[StepOutput]:
         """Record each active row's new tokens, cut at EOS and max_tokens."""
@@ -222,7 +227,7 @@ def generate_steps(
         layout.begin_tree(tree.depths, tree.mask)
         hidden, logits = base(tree.tokens, cache)
         sync("verification", hidden, logits)
-        choices = choose(logits, tracker.history(tree.tokens, tree.mask))
+        choices = choose(logits, tracker.history(tree))
         step = accept(beams, tree.unpack, choices, hidden)
         for c in cache:
             c.commit_path(step.path)

@@ -276,11 +276,12 @@ def load_tensor(info: TensorInfo, keep_quantized: bool, dtype, n_head: int | Non
         weight, scales, biases, bits = mlx_quantized(info.raw, info.qtype)
         if n_head:
             weight, scales, biases = (unpermute_rope_rows(a, n_head) for a in (weight, scales, biases))
-        weight, scales, biases = mx.array(weight), mx.array(scales), mx.array(biases)
+        weight = mx.array(weight)
         if keep_quantized:
-            return {"weight": weight, "scales": scales, "biases": biases}, bits
+            return {"weight": weight, "scales": mx.array(scales).astype(dtype),
+                    "biases": mx.array(biases).astype(dtype)}, bits  # fmt: skip
         # In float32, s*q + b reproduces llama.cpp's d*q (+ m) exactly.
-        scales, biases = scales.astype(mx.float32), biases.astype(mx.float32)
+        scales, biases = mx.array(scales, mx.float32), mx.array(biases, mx.float32)
         return {"weight": mx.dequantize(weight, scales, biases, 32, bits).astype(dtype)}, None
     try:
         values = gguf.quants.dequantize(info.raw, info.qtype).reshape(info.shape)
@@ -320,10 +321,12 @@ def load_gguf(path: str, dtype: str | None = None, quantize_bits: int | None = N
     """Load a GGUF file as (mlx-lm Model, TokenizerWrapper), evaluated, in eval mode.
 
     dtype None: Q4_0/Q4_1/Q8_0 tensors stay quantized (MLX affine, group size 32,
-    same values); everything else is dequantized to float16.
+    same values); everything else is dequantized to float16 on a GPU, float32 on
+    the CPU (as are the scales and biases, which set the compute dtype).
     dtype "float32"/"float16"/"bfloat16": every tensor is dequantized to it.
-    quantize_bits 4 or 8: dequantize (to dtype, default float16), then requantize
-    all layers with MLX affine quantization, group size 64.
+    quantize_bits 4 or 8: dequantize (to dtype, default as for None), then
+    requantize the layers whose input size is a multiple of 64 (MLX affine,
+    group size 64). Any bad input raises UserError.
     """
     if dtype is not None and dtype not in DTYPES:
         raise UserError(f"unsupported dtype {dtype!r} (choose from {', '.join(DTYPES)})")
@@ -338,7 +341,11 @@ def load_gguf(path: str, dtype: str | None = None, quantize_bits: int | None = N
         raise UserError(f"{path} has no token_embd.weight tensor")
     config = model_config(arch, meta, tensors)
     keep_quantized = dtype is None and quantize_bits is None
-    weights, bits = load_weights(arch, config, tensors, DTYPES[dtype or "float16"], keep_quantized)
+    # Without a dtype, float parts are float16 on a GPU but float32 on the CPU,
+    # where MLX's float16 kernels are slow (quantized matmul ~35x, dense ~3x).
+    on_gpu = mx.default_device().type == mx.DeviceType.gpu
+    float_dtype = DTYPES[dtype] if dtype else (mx.float16 if on_gpu else mx.float32)
+    weights, bits = load_weights(arch, config, tensors, float_dtype, keep_quantized)
 
     module = importlib.import_module(f"mlx_lm.models.{ARCHITECTURES[arch]}")
     model = module.Model(module.ModelArgs.from_dict(config))

@@ -1,0 +1,211 @@
+"""Distillation data: the base model's own responses to a prompts file.
+
+A data folder holds ``meta.json`` (which model, which prompts, which
+settings) and shards ``shard-NNNNN.npz``, each with
+
+- ``prompt_index`` (n,): line of the prompt in the prompts file
+- ``prompt_lengths`` (n,): prompt tokens (chat template applied)
+- ``lengths`` (n,): prompt + response tokens
+- ``tokens`` (sum(lengths),): the sequences, concatenated
+
+Shards are written whole (to a temporary name, then renamed), so an
+interrupted run loses at most the batch in flight; running the same command
+again skips the prompts already done.
+"""
+
+import hashlib
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator, Optional
+
+import numpy as np
+
+from .errors import UserError
+
+META_FILE = "meta.json"
+FORMAT_VERSION = 1
+
+
+def read_prompts(path: str) -> list[str]:
+    """The ``prompt`` field of every line of a JSONL file."""
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except FileNotFoundError:
+        raise UserError(f"prompts file not found: {path}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"cannot read prompts file {path}: {e}") from None
+    prompts = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise UserError(f"{path}, line {number}: not valid JSON ({e.msg})") from None
+        if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
+            raise UserError(f'{path}, line {number}: needs a "prompt" field holding a string')
+        prompts.append(record["prompt"])
+    if not prompts:
+        raise UserError(f"prompts file {path} holds no prompts")
+    return prompts
+
+
+@dataclass
+class Sequences:
+    """Distilled sequences loaded from a data folder."""
+
+    prompt_index: np.ndarray  # (n,)
+    prompt_lengths: np.ndarray  # (n,)
+    lengths: np.ndarray  # (n,)
+    tokens: np.ndarray  # (sum(lengths),)
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def sequence(self, i: int) -> np.ndarray:
+        start = int(self.lengths[:i].sum())
+        return self.tokens[start : start + int(self.lengths[i])]
+
+
+class DataFolder:
+    """A distillation data folder: its metadata and shards."""
+
+    def __init__(self, path: str):
+        self.path = Path(path)
+
+    @property
+    def meta(self) -> Optional[dict]:
+        meta_path = self.path / META_FILE
+        if not meta_path.exists():
+            return None
+        try:
+            return json.loads(meta_path.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise UserError(f"cannot read {meta_path}: {e}") from None
+
+    def shards(self) -> list[Path]:
+        return sorted(self.path.glob("shard-*.npz"))
+
+    def check_model(self, vocab_size: int, hidden_size: int) -> dict:
+        """The folder's metadata, refusing a folder made for another model."""
+        meta = self.meta
+        if meta is None:
+            raise UserError(f"{self.path} is not a distillation data folder (no {META_FILE})")
+        for key, value in (("vocab_size", vocab_size), ("hidden_size", hidden_size)):
+            if meta.get(key) != value:
+                raise UserError(
+                    f"data folder {self.path} was made for a model with {key} {meta.get(key)}, "
+                    f"but this model has {value}"
+                )
+        return meta
+
+    def load(self) -> Sequences:
+        parts = []
+        for shard in self.shards():
+            try:
+                with np.load(shard) as data:
+                    parts.append({k: data[k] for k in ("prompt_index", "prompt_lengths", "lengths", "tokens")})
+            except (OSError, ValueError, KeyError) as e:
+                raise UserError(f"corrupt shard {shard}: {e}") from None
+        if not parts:
+            raise UserError(f"data folder {self.path} holds no sequences yet; run `redrafter-mlx distill`")
+        return Sequences(*(np.concatenate([p[k] for p in parts]) for k in ("prompt_index", "prompt_lengths", "lengths", "tokens")))
+
+    def done_prompts(self) -> set:
+        done = set()
+        for shard in self.shards():
+            with np.load(shard) as data:
+                done.update(data["prompt_index"].tolist())
+        return done
+
+    def write_shard(self, prompt_index: list, prompt_lengths: list, sequences: list) -> Path:
+        """Write one shard atomically; on failure nothing partial remains."""
+        number = len(self.shards())
+        final = self.path / f"shard-{number:05d}.npz"
+        temporary = self.path / f".shard-{number:05d}.tmp.npz"
+        try:
+            np.savez(
+                temporary,
+                prompt_index=np.asarray(prompt_index, np.int32),
+                prompt_lengths=np.asarray(prompt_lengths, np.int32),
+                lengths=np.asarray([len(s) for s in sequences], np.int32),
+                tokens=np.concatenate([np.asarray(s, np.int32) for s in sequences]),
+            )
+            os.replace(temporary, final)
+        except OSError as e:
+            temporary.unlink(missing_ok=True)
+            raise UserError(
+                f"cannot write {final} ({e.strerror}); the {number} shards already written are "
+                "intact: free space and run the same command again to resume"
+            ) from None
+        return final
+
+
+def _prompts_digest(prompts: list[str]) -> str:
+    return hashlib.sha256(json.dumps(prompts).encode()).hexdigest()[:16]
+
+
+def prepare_folder(folder: DataFolder, prompts: list[str], settings: dict) -> None:
+    """Create the folder's metadata, or check that a resumed run matches it."""
+    settings = dict(settings, format=FORMAT_VERSION, num_prompts=len(prompts), prompts_digest=_prompts_digest(prompts))
+    existing = folder.meta
+    if existing is None:
+        if folder.path.exists() and any(folder.path.iterdir()):
+            raise UserError(f"output folder {folder.path} exists and is not a distillation data folder")
+        folder.path.mkdir(parents=True, exist_ok=True)
+        (folder.path / META_FILE).write_text(json.dumps(settings, indent=2) + "\n")
+        return
+    differences = [k for k in settings if existing.get(k) != settings[k]]
+    if differences:
+        raise UserError(
+            f"{folder.path} was made with different settings ({', '.join(differences)}); "
+            "use a new output folder"
+        )
+
+
+def batches_by_length(indices: list[int], lengths: list[int], batch_size: int) -> Iterator[list[int]]:
+    """Group prompts of similar length, so that left padding wastes little."""
+    ordered = sorted(indices, key=lambda i: lengths[i])
+    for start in range(0, len(ordered), batch_size):
+        yield ordered[start : start + batch_size]
+
+
+def distill(
+    base,
+    tokenize: Callable[[str], list],
+    prompts: list[str],
+    folder: DataFolder,
+    settings: dict,
+    generate_batch: Callable[[list], list],
+    batch_size: int,
+    progress: bool = True,
+) -> dict:
+    """Generate responses for every prompt not yet in ``folder``.
+
+    ``generate_batch(list of token lists) -> list of response token lists``
+    runs the base model; one shard is written per batch. Returns totals.
+    """
+    from tqdm import tqdm
+
+    prepare_folder(folder, prompts, dict(settings, vocab_size=base.vocab_size, hidden_size=base.hidden_size))
+    done = folder.done_prompts()
+    todo = [i for i in range(len(prompts)) if i not in done]
+    tokenized = {i: tokenize(prompts[i]) for i in todo}
+    lengths = {i: len(t) for i, t in tokenized.items()}
+    too_long = [i for i in todo if base.max_context and lengths[i] >= base.max_context]
+    if too_long:
+        raise UserError(f"prompt on line {too_long[0] + 1} does not fit the model's context")
+    bar = tqdm(total=len(prompts), initial=len(done), unit="prompt", disable=not progress, dynamic_ncols=True)
+    new_tokens, start = 0, time.perf_counter()
+    for batch in batches_by_length(todo, lengths, batch_size):
+        responses = generate_batch([tokenized[i] for i in batch])
+        folder.write_shard(batch, [lengths[i] for i in batch], [tokenized[i] + r for i, r in zip(batch, responses)])
+        new_tokens += sum(len(r) for r in responses)
+        elapsed = time.perf_counter() - start
+        bar.update(len(batch))
+        bar.set_postfix_str(f"{new_tokens / elapsed:.0f} tokens/s")
+    bar.close()
+    return {"prompts": len(prompts), "new_prompts": len(todo), "new_tokens": new_tokens, "seconds": time.perf_counter() - start}

@@ -1,0 +1,341 @@
+"""Training a drafter on distilled data, in MLX.
+
+The objective, matching how the drafter is used at inference: at every
+position t of a distilled sequence whose next token x[t+1] is generated (not
+prompt), take the frozen base model's last hidden state h[t]; feed the RNN
+the next T tokens x[t+1] .. x[t+T] (teacher forcing) and score its
+predictions of x[t+2] .. x[t+T+1]. The loss is the sum over depths of the
+mean cross-entropy at that depth. (At inference x[t+1] is the token the base
+model has just chosen, column 0 of the beams.)
+
+Hidden states are computed once by the base model, in batches of sequences,
+into a float16 memory-mapped cache in the data folder, so they are never all
+in memory and later runs reuse them.
+"""
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+import numpy as np
+from mlx.utils import tree_flatten, tree_unflatten
+
+from .distill import DataFolder, Sequences
+from .drafter import Drafter, DrafterArgs, load_drafter, save_drafter
+from .errors import UserError
+
+HIDDEN_FILE = "hidden.f16.npy"
+HIDDEN_PROGRESS = "hidden-progress.json"
+CHECKPOINT_DIR = "checkpoint"
+STATE_FILE = "trainer.json"
+OPTIMIZER_FILE = "optimizer.safetensors"
+
+
+@dataclass
+class TrainConfig:
+    depth: int = 5  # T: drafted tokens per position
+    exit_dim: int = 1024
+    num_draft_layers: int = 1
+    rnn: bool = True
+    draft_vocab: int = 0  # 0: the full vocabulary (official format)
+    dtype: str = "float32"  # of the drafter: float32 or bfloat16
+    steps: int = 2000
+    batch_size: int = 1024  # positions per step
+    learning_rate: float = 1e-3
+    warmup: int = 100
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    eval_every: int = 250
+    save_every: int = 250
+    eval_fraction: float = 0.02  # of sequences, held out by prompt index
+    seed: int = 0
+
+
+@dataclass
+class Positions:
+    """Training positions, one row each.
+
+    hidden_row: (R,) row of h[t] in the hidden cache.
+    tokens: (R, T + 1) x[t+1] .. x[t+T+1], -1 past the sequence's end.
+    held_out: (R,) bool, rows of held-out sequences.
+    """
+
+    hidden_row: np.ndarray
+    tokens: np.ndarray
+    held_out: np.ndarray
+
+
+def cached_positions(sequences: Sequences) -> np.ndarray:
+    """(n,) number of positions t with a generated x[t+1]: t = P-1 .. L-2."""
+    return np.maximum(sequences.lengths - sequences.prompt_lengths, 0)
+
+
+def build_positions(sequences: Sequences, depth: int, eval_fraction: float) -> Positions:
+    counts = cached_positions(sequences)
+    starts = np.concatenate([[0], np.cumsum(sequences.lengths)[:-1]])
+    rows, windows, held = [], [], []
+    every = max(int(round(1 / eval_fraction)), 2) if eval_fraction > 0 else 0
+    row = 0
+    for i, n in enumerate(counts):
+        seq = sequences.tokens[starts[i] : starts[i] + sequences.lengths[i]]
+        padded = np.concatenate([seq, np.full(depth + 1, -1, np.int64)])
+        first = sequences.prompt_lengths[i] - 1  # t of the first position
+        index = first + 1 + np.arange(n)[:, None] + np.arange(depth + 1)[None, :]
+        windows.append(padded[index])
+        rows.append(np.arange(row, row + n))
+        held.append(np.full(n, every and sequences.prompt_index[i] % every == 0))
+        row += n
+    return Positions(np.concatenate(rows), np.concatenate(windows).astype(np.int32), np.concatenate(held))
+
+
+def compute_hidden_cache(base, folder: DataFolder, sequences: Sequences, batch_tokens: int = 8192, progress: bool = True) -> np.ndarray:
+    """h[t] for every training position, as a float16 (R, hidden) memmap in
+    the data folder; resumes where an interrupted run stopped."""
+    from tqdm import tqdm
+
+    counts = cached_positions(sequences)
+    total = int(counts.sum())
+    path, progress_path = folder.path / HIDDEN_FILE, folder.path / HIDDEN_PROGRESS
+    identity = {"rows": total, "hidden_size": base.hidden_size, "sequences": len(sequences)}
+    state = json.loads(progress_path.read_text()) if progress_path.exists() else None
+    if state is None or state.get("identity") != identity:
+        state = {"identity": identity, "done": 0}
+        np.lib.format.open_memmap(path, mode="w+", dtype=np.float16, shape=(total, base.hidden_size)).flush()
+    cache = np.lib.format.open_memmap(path, mode="r+")
+    offsets = np.concatenate([[0], np.cumsum(counts)])
+    starts = np.concatenate([[0], np.cumsum(sequences.lengths)[:-1]])
+    bar = tqdm(total=len(sequences), initial=state["done"], unit="seq", desc="hidden states", disable=not progress)
+    i = state["done"]
+    while i < len(sequences):
+        # A batch of consecutive sequences, right-padded, of about batch_tokens.
+        longest, j = 0, i
+        while j < len(sequences) and max(longest, sequences.lengths[j]) * (j - i + 1) <= max(batch_tokens, sequences.lengths[j]):
+            longest = max(longest, int(sequences.lengths[j]))
+            j += 1
+        batch = np.zeros((j - i, longest), np.int32)
+        for k in range(i, j):
+            batch[k - i, : sequences.lengths[k]] = sequences.tokens[starts[k] : starts[k] + sequences.lengths[k]]
+        hidden = base.backbone(mx.array(batch)).astype(mx.float16)
+        hidden = np.array(hidden)
+        for k in range(i, j):
+            first = sequences.prompt_lengths[k] - 1
+            cache[offsets[k] : offsets[k + 1]] = hidden[k - i, first : first + counts[k]]
+        cache.flush()
+        state["done"] = j
+        progress_path.write_text(json.dumps(state))
+        bar.update(j - i)
+        i = j
+    bar.close()
+    return np.lib.format.open_memmap(path, mode="r")
+
+
+def build_draft_vocab(sequences: Sequences, size: int) -> np.ndarray:
+    """The ``size`` most frequent generated tokens, most frequent first."""
+    starts = np.concatenate([[0], np.cumsum(sequences.lengths)[:-1]])
+    generated = np.concatenate(
+        [sequences.tokens[s + p : s + l] for s, p, l in zip(starts, sequences.prompt_lengths, sequences.lengths)]
+    )
+    counts = np.bincount(generated)
+    order = np.argsort(-counts, kind="stable")[:size]
+    return order.astype(np.int32)
+
+
+def drafter_loss(
+    drafter: Drafter,
+    embed: Callable[[mx.array], mx.array],
+    hidden: mx.array,
+    tokens: mx.array,
+    targets: mx.array,
+) -> tuple[mx.array, mx.array, mx.array]:
+    """The ReDrafter training loss.
+
+    Args:
+        hidden: (N, hidden_size) h[t].
+        tokens: (N, T) RNN inputs x[t+1] .. x[t+T] (-1 past the end).
+        targets: (N, T) draft-vocabulary index of x[t+2] .. x[t+T+1], -1
+            where there is none (past the end, or outside a reduced draft
+            vocabulary).
+
+    Returns:
+        loss: sum over depths of the mean cross-entropy at that depth.
+        correct, counted: (T,) top-1 hits and scored positions per depth.
+    """
+    state, loss, correct, counted = None, mx.array(0.0), [], []
+    for k in range(tokens.shape[1]):
+        state = drafter.update_state(embed(mx.maximum(tokens[:, k], 0)), state)
+        logits = drafter.draft_logits(hidden, state).astype(mx.float32)
+        valid = targets[:, k] >= 0
+        target = mx.maximum(targets[:, k], 0)
+        ce = mx.logsumexp(logits, axis=-1) - mx.take_along_axis(logits, target[:, None], axis=-1)[:, 0]
+        n = valid.sum()
+        loss = loss + (ce * valid).sum() / mx.maximum(n, 1)
+        correct.append(((mx.argmax(logits, axis=-1) == target) & valid).sum())
+        counted.append(n)
+    return loss, mx.stack(correct), mx.stack(counted)
+
+
+class Trainer:
+    """Holds the drafter, optimizer, data and step counter; resumable."""
+
+    def __init__(self, base, positions: Positions, hidden_cache: np.ndarray, config: TrainConfig, output: str, draft_token_ids: Optional[np.ndarray]):
+        self.base, self.config, self.output = base, config, Path(output)
+        self.positions, self.hidden_cache = positions, hidden_cache
+        self.train_rows = np.flatnonzero(~positions.held_out)
+        self.eval_rows = np.flatnonzero(positions.held_out)
+        if len(self.train_rows) < config.batch_size:
+            raise UserError(f"only {len(self.train_rows)} training positions, fewer than one batch of {config.batch_size}")
+        args = DrafterArgs(
+            vocab_size=base.vocab_size,
+            hidden_size=base.hidden_size,
+            exit_dim=config.exit_dim,
+            num_draft_layers=config.num_draft_layers,
+            rnn=config.rnn,
+            draft_vocab_size=len(draft_token_ids) if draft_token_ids is not None else None,
+        )
+        mx.random.seed(config.seed)
+        self.drafter = Drafter(args)
+        # Token id -> draft index (-1 outside the draft vocabulary).
+        self.to_draft = np.arange(base.vocab_size, dtype=np.int32)
+        if draft_token_ids is not None:
+            self.drafter.draft_token_ids = mx.array(draft_token_ids)
+            self.to_draft = np.full(base.vocab_size, -1, np.int32)
+            self.to_draft[draft_token_ids] = np.arange(len(draft_token_ids), dtype=np.int32)
+        if config.dtype == "bfloat16":
+            self.drafter.set_dtype(mx.bfloat16, predicate=lambda k: k != "draft_token_ids")
+        if draft_token_ids is not None:
+            self.drafter.freeze(keys=["draft_token_ids"], strict=False)
+        schedule = optim.join_schedules(
+            [optim.linear_schedule(1e-7, config.learning_rate, max(config.warmup, 1)),
+             optim.cosine_decay(config.learning_rate, max(config.steps - config.warmup, 1), 0.0)],
+            [max(config.warmup, 1)],
+        )
+        self.optimizer = optim.AdamW(learning_rate=schedule, weight_decay=config.weight_decay)
+        self.optimizer.init(self.drafter.trainable_parameters())
+        self.step = 0
+        self.embed = lambda t: mx.stop_gradient(base.embed(t))
+        self._compiled_step = None  # built on first use, after any checkpoint is loaded
+
+    def _make_train_step(self):
+        loss_and_grad = nn.value_and_grad(self.drafter, self._loss)
+
+        def train_step(hidden, tokens, targets):
+            (loss, correct, counted), grads = loss_and_grad(hidden, tokens, targets)
+            grads, _ = optim.clip_grad_norm(grads, self.config.grad_clip)
+            self.optimizer.update(self.drafter, grads)
+            return loss
+
+        state = [self.drafter.state, self.optimizer.state]
+        return mx.compile(train_step, inputs=state, outputs=state)
+
+    def _loss(self, hidden, tokens, targets):
+        return drafter_loss(self.drafter, self.embed, hidden, tokens, targets)
+
+    def batch(self, rows: np.ndarray):
+        hidden = mx.array(self.hidden_cache[self.positions.hidden_row[rows]].astype(np.float32))
+        window = self.positions.tokens[rows]
+        targets = np.where(window[:, 1:] >= 0, self.to_draft[np.maximum(window[:, 1:], 0)], -1)
+        return hidden, mx.array(window[:, :-1]), mx.array(targets)
+
+    def rows_for_step(self, step: int) -> np.ndarray:
+        """Deterministic data order: a fresh permutation each epoch."""
+        per_epoch = len(self.train_rows) // self.config.batch_size
+        epoch, index = divmod(step, per_epoch)
+        order = np.random.default_rng(self.config.seed + epoch).permutation(len(self.train_rows))
+        return np.sort(self.train_rows[order[index * self.config.batch_size : (index + 1) * self.config.batch_size]])
+
+    def train_step(self) -> float:
+        if self._compiled_step is None:
+            self._compiled_step = self._make_train_step()
+        loss = self._compiled_step(*self.batch(self.rows_for_step(self.step)))
+        mx.eval(loss, self.drafter.parameters(), self.optimizer.state)
+        self.step += 1
+        return loss.item()
+
+    def evaluate(self, max_rows: int = 20000) -> dict:
+        """Loss and top-1 accuracy per depth on held-out positions."""
+        rows = self.eval_rows[:max_rows]
+        if len(rows) == 0:
+            return {}
+        total_loss, correct, counted, batches = 0.0, 0, 0, 0
+        for start in range(0, len(rows), self.config.batch_size):
+            loss, c, n = self._loss(*self.batch(rows[start : start + self.config.batch_size]))
+            total_loss += loss.item()
+            correct, counted, batches = correct + np.array(c), counted + np.array(n), batches + 1
+        accuracy = (correct / np.maximum(counted, 1)).round(4).tolist()
+        return {"eval_loss": round(total_loss / batches, 4), "eval_accuracy": accuracy}
+
+    # -- checkpoints -------------------------------------------------------
+
+    def save_checkpoint(self) -> None:
+        """Weights, optimizer state and step, written to a temporary folder
+        and renamed into place, so an interruption never leaves a broken one."""
+        final = self.output / CHECKPOINT_DIR
+        temporary = self.output / (CHECKPOINT_DIR + ".tmp")
+        save_drafter(self.drafter, str(temporary))
+        mx.save_safetensors(str(temporary / OPTIMIZER_FILE), dict(tree_flatten(self.optimizer.state)))
+        (temporary / STATE_FILE).write_text(json.dumps({"step": self.step, "config": asdict(self.config)}, indent=2))
+        old = self.output / (CHECKPOINT_DIR + ".old")
+        if final.exists():
+            final.rename(old)
+        temporary.rename(final)
+        if old.exists():
+            _remove_tree(old)
+
+    def load_checkpoint(self) -> bool:
+        folder = self.output / CHECKPOINT_DIR
+        if not (folder / STATE_FILE).exists():
+            return False
+        state = json.loads((folder / STATE_FILE).read_text())
+        if state["config"] != asdict(self.config):
+            changed = [k for k in state["config"] if state["config"][k] != asdict(self.config).get(k)]
+            raise UserError(f"{folder} was trained with other settings ({', '.join(changed)}); use a new output folder")
+        loaded = load_drafter(str(folder))
+        self.drafter.update(loaded.parameters())
+        self.optimizer.state = tree_unflatten(list(mx.load(str(folder / OPTIMIZER_FILE)).items()))
+        self.step = state["step"]
+        mx.eval(self.drafter.parameters(), self.optimizer.state)
+        return True
+
+    def export(self, extra_config: Optional[dict] = None) -> None:
+        """The final drafter, loadable with ``--drafter OUTPUT``."""
+        save_drafter(self.drafter, str(self.output), extra_config)
+
+
+def _remove_tree(path: Path) -> None:
+    for child in path.iterdir():
+        child.unlink()
+    path.rmdir()
+
+
+def train(trainer: Trainer, progress: bool = True, log: Optional[Callable[[dict], None]] = None) -> dict:
+    """Run (or resume) training to ``config.steps``; returns the last eval."""
+    from tqdm import tqdm
+
+    config = trainer.config
+    bar = tqdm(total=config.steps, initial=trainer.step, unit="step", disable=not progress, dynamic_ncols=True)
+    tokens_per_step = config.batch_size * config.depth
+    last_eval, tic = {}, time.perf_counter()
+    while trainer.step < config.steps:
+        loss = trainer.train_step()
+        if not math.isfinite(loss):
+            raise UserError(f"training diverged at step {trainer.step} (loss {loss}); lower --learning-rate")
+        elapsed, tic = time.perf_counter() - tic, time.perf_counter()
+        bar.update(1)
+        bar.set_postfix_str(f"loss {loss:.3f}, {tokens_per_step / elapsed:.0f} tokens/s")
+        record = {"step": trainer.step, "loss": round(loss, 4)}
+        if trainer.step % config.eval_every == 0 or trainer.step == config.steps:
+            last_eval = trainer.evaluate()
+            record.update(last_eval)
+            bar.write(json.dumps(record))
+        if log:
+            log(record)
+        if trainer.step % config.save_every == 0 or trainer.step == config.steps:
+            trainer.save_checkpoint()
+    bar.close()
+    return last_eval

@@ -1,0 +1,129 @@
+"""Distillation data: batched greedy generation, shards, resume, bad input."""
+
+import errno
+import json
+
+import numpy as np
+import pytest
+from conftest import tiny_model
+
+from redrafter_mlx.autoregressive import autoregressive_steps
+from redrafter_mlx.base_model import BaseModel
+from redrafter_mlx.distill import DataFolder, distill, read_prompts
+from redrafter_mlx.errors import UserError
+
+PROMPTS = ["hello there", "a", "what is two plus two?", "xyz" * 7, "tell me a story", "ok", "1 2 3 4 5"]
+
+
+def tokenize(text):
+    return [ord(c) % 256 for c in text]
+
+
+@pytest.fixture(scope="module")
+def base():
+    return BaseModel(tiny_model("llama", seed=3))
+
+
+def batch_generator(base, max_tokens=20, eos=(7,)):
+    def generate_batch(batch):
+        responses = [[] for _ in batch]
+        for step in autoregressive_steps(base, batch, max_tokens=max_tokens, eos_token_ids=eos):
+            for out in step:
+                responses[out.row] += out.tokens
+        return responses
+
+    return generate_batch
+
+
+def run(base, folder, prompts=PROMPTS, batch_size=3, **kwargs):
+    return distill(base, tokenize, prompts, DataFolder(folder), {"max_tokens": 20}, batch_generator(base, **kwargs), batch_size, progress=False)
+
+
+def sequences_by_prompt(folder):
+    data = DataFolder(folder).load()
+    return {int(data.prompt_index[i]): data.sequence(i).tolist() for i in range(len(data))}
+
+
+def test_batched_output_equals_single_prompt_generation_and_is_deterministic(base, tmp_path):
+    run(base, tmp_path / "a", batch_size=3)
+    run(base, tmp_path / "b", batch_size=7)
+    batched = sequences_by_prompt(tmp_path / "a")
+    assert batched == sequences_by_prompt(tmp_path / "b")
+    assert sorted(batched) == list(range(len(PROMPTS)))
+    generate = batch_generator(base)
+    for i, prompt in enumerate(PROMPTS):
+        alone = tokenize(prompt) + generate([tokenize(prompt)])[0]
+        assert batched[i] == alone
+    lengths = {len(s) - len(tokenize(PROMPTS[i])) for i, s in batched.items()}
+    assert len(lengths) > 1  # rows stopped at EOS at different points
+
+
+def test_interrupted_run_resumes_without_redoing_prompts(base, tmp_path):
+    calls = []
+    generate = batch_generator(base)
+
+    def failing(batch):
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        calls.append(len(batch))
+        return generate(batch)
+
+    with pytest.raises(KeyboardInterrupt):
+        distill(base, tokenize, PROMPTS, DataFolder(tmp_path / "d"), {"max_tokens": 20}, failing, 3, progress=False)
+    assert len(DataFolder(tmp_path / "d").shards()) == 1
+    totals = run(base, tmp_path / "d")
+    assert totals["new_prompts"] == len(PROMPTS) - 3
+    run(base, tmp_path / "full")
+    assert sequences_by_prompt(tmp_path / "d") == sequences_by_prompt(tmp_path / "full")
+
+
+def test_out_of_disk_keeps_written_shards(base, tmp_path, monkeypatch):
+    run(base, tmp_path / "d", prompts=PROMPTS[:3])
+    before = sequences_by_prompt(tmp_path / "d")
+
+    def no_space(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(np, "savez", no_space)
+    folder = DataFolder(tmp_path / "d")
+    with pytest.raises(UserError, match="No space left on device.*intact"):
+        folder.write_shard([5], [3], [[1, 2, 3, 4]])
+    assert sequences_by_prompt(tmp_path / "d") == before
+    assert not list((tmp_path / "d").glob(".*tmp*"))
+
+
+def test_folder_for_another_model_or_other_settings_is_refused(base, tmp_path):
+    run(base, tmp_path / "d", prompts=PROMPTS[:2])
+    with pytest.raises(UserError, match="hidden_size 64, but this model has 576"):
+        DataFolder(tmp_path / "d").check_model(256, 576)
+    with pytest.raises(UserError, match="different settings"):
+        run(base, tmp_path / "d", prompts=PROMPTS[:4])
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("mine")
+    with pytest.raises(UserError, match="not a distillation data folder"):
+        run(base, tmp_path / "other")
+    assert (tmp_path / "other" / "notes.txt").read_text() == "mine"
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ("", "holds no prompts"),
+        ('{"prompt": "a"}\nnot json\n', "line 2: not valid JSON"),
+        ('{"text": "a"}\n', 'line 1: needs a "prompt" field'),
+        ('["a"]\n', 'line 1: needs a "prompt" field'),
+    ],
+)
+def test_bad_prompts_files(tmp_path, content, message):
+    path = tmp_path / "p.jsonl"
+    path.write_text(content)
+    with pytest.raises(UserError, match=message):
+        read_prompts(str(path))
+
+
+def test_prompts_file_reading(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text("\n".join(json.dumps({"id": i, "prompt": p}) for i, p in enumerate(PROMPTS)) + "\n\n")
+    assert read_prompts(str(path)) == PROMPTS
+    with pytest.raises(UserError, match="not found"):
+        read_prompts(str(tmp_path / "missing.jsonl"))

@@ -1,0 +1,130 @@
+"""Drafter training: the loss, learning a pattern, exact resume."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from conftest import HIDDEN, VOCAB, tiny_drafter, tiny_model
+
+from redrafter_mlx.base_model import BaseModel
+from redrafter_mlx.distill import DataFolder
+from redrafter_mlx.drafter import load_drafter
+from redrafter_mlx.train import (
+    TrainConfig,
+    Trainer,
+    build_draft_vocab,
+    build_positions,
+    compute_hidden_cache,
+    drafter_loss,
+    train,
+)
+
+
+def test_loss_equals_direct_computation():
+    drafter = tiny_drafter(seed=5, exit_dim=48, layers=2)
+    table = mx.random.normal((VOCAB, HIDDEN), key=mx.random.key(1))
+    embed = lambda t: table[t]
+    rng = np.random.default_rng(0)
+    hidden = mx.array(rng.normal(size=(6, HIDDEN)), mx.float32)
+    tokens = rng.integers(0, VOCAB, size=(6, 3))
+    targets = rng.integers(0, VOCAB, size=(6, 3))
+    targets[4, 1:] = -1  # the sequence ends
+    targets[5, 2] = -1
+    loss, correct, counted = drafter_loss(drafter, embed, hidden, mx.array(tokens), mx.array(targets))
+
+    expected, hits, counts = 0.0, np.zeros(3), np.zeros(3)
+    for k in range(3):
+        terms = []
+        for i in range(6):
+            state = None
+            for j in range(k + 1):
+                state = drafter.update_state(embed(mx.array([int(tokens[i, j])])), state)
+            logits = np.array(drafter.draft_logits(hidden[i : i + 1], state))[0].astype(np.float64)
+            if targets[i, k] < 0:
+                continue
+            log_z = np.log(np.exp(logits - logits.max()).sum()) + logits.max()
+            terms.append(log_z - logits[targets[i, k]])
+            hits[k] += logits.argmax() == targets[i, k]
+            counts[k] += 1
+        expected += np.mean(terms)
+    assert abs(loss.item() - expected) < 1e-4
+    assert correct.tolist() == hits.tolist() and counted.tolist() == counts.tolist()
+
+
+def synthetic_data(folder, num_sequences=60, seed=0):
+    """Sequences that walk a fixed cycle of 16 tokens: each next token is a
+    function of the current one, so a drafter can learn every depth."""
+    rng = np.random.default_rng(seed)
+    cycle = rng.permutation(VOCAB)[:16]
+    data = DataFolder(str(folder))
+    folder.mkdir()
+    (folder / "meta.json").write_text('{"vocab_size": %d, "hidden_size": %d}' % (VOCAB, HIDDEN))
+    prompts, lengths, sequences = [], [], []
+    for i in range(num_sequences):
+        prompt = rng.integers(0, VOCAB, size=rng.integers(2, 6)).tolist()
+        start = rng.integers(0, 16)
+        response = [int(cycle[(start + j) % 16]) for j in range(rng.integers(12, 30))]
+        prompts.append(i)
+        lengths.append(len(prompt))
+        sequences.append(prompt + response)
+    data.write_shard(prompts, lengths, sequences)
+    return data
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("train") / "data"
+    data = synthetic_data(folder)
+    base = BaseModel(tiny_model("llama", seed=4))
+    sequences = data.load()
+    hidden = compute_hidden_cache(base, data, sequences, batch_tokens=256, progress=False)
+    return base, sequences, hidden
+
+
+def make_trainer(setup, output, **overrides):
+    base, sequences, hidden = setup
+    config = TrainConfig(**{**dict(depth=4, exit_dim=64, steps=300, batch_size=64, learning_rate=3e-3, warmup=20,
+                                    eval_every=100, save_every=100, eval_fraction=0.1), **overrides})
+    positions = build_positions(sequences, config.depth, config.eval_fraction)
+    vocab = build_draft_vocab(sequences, config.draft_vocab) if config.draft_vocab else None
+    return Trainer(base, positions, hidden, config, str(output), vocab)
+
+
+def test_hidden_cache_matches_the_base_model(setup):
+    base, sequences, hidden = setup
+    first = sequences.sequence(0)
+    p = int(sequences.prompt_lengths[0])
+    direct = np.array(base.backbone(mx.array([first.tolist()]))[0])
+    np.testing.assert_allclose(hidden[: len(first) - p], direct[p - 1 : len(first) - 1], atol=2e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("draft_vocab", [0, 32])
+def test_training_learns_a_pattern_at_every_depth(setup, tmp_path, draft_vocab):
+    trainer = make_trainer(setup, tmp_path / "out", draft_vocab=draft_vocab)
+    before = trainer.evaluate()
+    result = train(trainer, progress=False)
+    assert min(result["eval_accuracy"]) > 0.8, result
+    assert max(before["eval_accuracy"]) < 0.2
+    trainer.export()
+    drafter = load_drafter(str(tmp_path / "out"))
+    assert drafter.args.draft_vocab_size == (draft_vocab or None)
+
+
+def test_resuming_from_a_checkpoint_continues_with_identical_loss(setup, tmp_path):
+    overrides = dict(steps=24, save_every=12, eval_every=100)
+    straight = []
+    train(make_trainer(setup, tmp_path / "a", **overrides), progress=False, log=lambda r: straight.append(r["loss"]))
+
+    class Stop(Exception):
+        pass
+
+    def stop_after_checkpoint(record):
+        if record["step"] == 13:
+            raise Stop
+
+    with pytest.raises(Stop):
+        train(make_trainer(setup, tmp_path / "b", **overrides), progress=False, log=stop_after_checkpoint)
+    resumed = make_trainer(setup, tmp_path / "b", **overrides)
+    assert resumed.load_checkpoint() and resumed.step == 12
+    losses = []
+    train(resumed, progress=False, log=lambda r: losses.append(r["loss"]))
+    assert losses == straight[12:]
