@@ -58,6 +58,8 @@ def _dtype(value: Optional[str]) -> Optional[str]:
 @app.command()
 def generate(
     prompt: str = typer.Option("hello", "--prompt", "-p", help="Message for the model; '-' reads it from stdin."),
+    prompts_file: Optional[str] = typer.Option(None, "--prompts", help="JSONL file with a \"prompt\" per line: generate for each (batched), printing one JSON object per line in input order."),
+    batch_size: int = typer.Option(1, "--batch-size", "-b", help="With --prompts: prompts generated together."),
     model: Optional[str] = typer.Option(None, "--model", "-m", help=MODEL_HELP),
     drafter: Optional[str] = typer.Option(None, "--drafter", "-d", help=DRAFTER_HELP),
     max_tokens: int = typer.Option(256, "--max-tokens", "-n", help="Maximum number of tokens to generate."),
@@ -74,50 +76,55 @@ def generate(
     quantize: Optional[int] = typer.Option(None, "--quantize", help="Re-quantize the base model to this many bits."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object with the text, tokens and speed figures instead of streaming text."),
 ):
-    """Generate text from a prompt with ReDrafter."""
-    from redrafter_mlx.api import encode_prompt, stream_generate
+    """Generate text from a prompt (or a prompts file) with ReDrafter."""
+    from redrafter_mlx.api import batch_generate, encode_prompt, stream_generate
     from redrafter_mlx.generate import check_settings
     from redrafter_mlx.loading import load
+    from redrafter_mlx.prompts import read_prompts
 
     choose = _sampling(temp, top_p, top_k, min_p, repetition_penalty, seed)
     check_settings(max_tokens, beam_width, beam_length)
-    if prompt == "-":
+    if batch_size < 1:
+        fail(f"batch size must be at least 1, got {batch_size}")
+    texts = read_prompts(prompts_file) if prompts_file else None
+    if prompt == "-" and texts is None:
         prompt = sys.stdin.read()
     redrafter, tokenizer = load(model, drafter, dtype=_dtype(dtype), quantize=quantize)
+    shape = dict(beam_width=beam_width, beam_length=beam_length, choose=choose, chat_template=not ignore_chat_template)
+    if texts is not None:
+        for result in batch_generate(redrafter, tokenizer, texts, max_tokens, batch_size=batch_size, **shape):
+            tps = len(result.tokens) / result.seconds if result.seconds else 0.0
+            print(json.dumps(_summary(result.text, result.tokens, result.prompt_tokens, result.steps, result.step_tokens, tps, result.finish_reason)), flush=True)
+        return
     prompt_ids = encode_prompt(tokenizer, prompt, chat_template=not ignore_chat_template)
     text, tokens, last = "", [], None
-    for last in stream_generate(
-        redrafter, tokenizer, prompt_ids, max_tokens, beam_width=beam_width, beam_length=beam_length, choose=choose
-    ):
+    for last in stream_generate(redrafter, tokenizer, prompt_ids, max_tokens, **shape):
         text += last.text
         tokens += last.tokens
         if not as_json:
             print(last.text, end="", flush=True)
+    steps, step_tokens = (last.steps, last.step_tokens) if last else (0, 0)
+    tps = last.generation_tps if last else 0.0
     if as_json:
-        print(json.dumps(_summary(text, tokens, len(prompt_ids), last)))
+        summary = _summary(text, tokens, len(prompt_ids), steps, step_tokens, tps, last.finish_reason if last else "length")
+        summary.update(prompt_tps=last.prompt_tps if last else 0.0, peak_memory_gb=last.peak_memory if last else 0.0)
+        print(json.dumps(summary))
     else:
         print()
-        if last is not None and last.steps:
-            print(
-                f"[{last.generation_tokens} tokens, {last.generation_tps:.1f} tokens/s, "
-                f"{last.step_tokens / last.steps:.2f} tokens/step, prompt {last.prompt_tokens} tokens]",
-                file=sys.stderr,
-            )
+        if steps:
+            print(f"[{len(tokens)} tokens, {tps:.1f} tokens/s, {step_tokens / steps:.2f} tokens/step, prompt {len(prompt_ids)} tokens]", file=sys.stderr)
 
 
-def _summary(text: str, tokens: list, prompt_tokens: int, last) -> dict:
-    steps = last.steps if last else 0
+def _summary(text, tokens, prompt_tokens, steps, step_tokens, generation_tps, finish_reason) -> dict:
     return {
         "text": text,
         "tokens": tokens,
         "prompt_tokens": prompt_tokens,
         "generation_tokens": len(tokens),
         "steps": steps,
-        "tokens_per_step": last.step_tokens / steps if steps else 0.0,
-        "prompt_tps": last.prompt_tps if last else 0.0,
-        "generation_tps": last.generation_tps if last else 0.0,
-        "peak_memory_gb": last.peak_memory if last else 0.0,
-        "finish_reason": last.finish_reason if last else "length",
+        "tokens_per_step": step_tokens / steps if steps else 0.0,
+        "generation_tps": generation_tps,
+        "finish_reason": finish_reason,
     }
 
 
@@ -138,7 +145,8 @@ def distill(
     from redrafter_mlx.api import encode_prompt
     from redrafter_mlx.autoregressive import autoregressive_steps
     from redrafter_mlx.base_model import BaseModel
-    from redrafter_mlx.distill import DataFolder, distill as run_distill, read_prompts
+    from redrafter_mlx.distill import DataFolder, distill as run_distill
+    from redrafter_mlx.prompts import read_prompts
     from redrafter_mlx.loading import load_base_model
 
     if max_tokens < 1 or batch_size < 1:

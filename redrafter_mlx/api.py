@@ -128,3 +128,67 @@ def generate(redrafter: ReDrafter, tokenizer, prompt, max_tokens: int = 256, ver
             print(f"Steps: {last.steps}, {last.step_tokens / last.steps:.2f} tokens per step")
         print(f"Peak memory: {last.peak_memory:.3f} GB")
     return text
+
+
+@dataclass
+class BatchResult:
+    """One prompt's result from :func:`batch_generate`."""
+
+    text: str
+    tokens: list
+    prompt_tokens: int
+    steps: int  # verification passes this prompt took part in
+    step_tokens: int  # tokens those passes produced (accepted + bonus)
+    finish_reason: Optional[str]
+    seconds: float  # wall time of the batch it ran in
+
+    @property
+    def tokens_per_step(self) -> float:
+        return self.step_tokens / self.steps if self.steps else 0.0
+
+
+def batch_generate(
+    redrafter: ReDrafter,
+    tokenizer,
+    prompts: Sequence[Union[str, Sequence[int]]],
+    max_tokens: int = 256,
+    *,
+    batch_size: int = 8,
+    beam_width: int = 4,
+    beam_length: int = 5,
+    choose: Chooser = greedy,
+    chat_template: bool = True,
+) -> list[BatchResult]:
+    """Generate for many prompts, ``batch_size`` at a time (left-padded;
+    rows advance by their own accepted lengths and leave the batch when they
+    finish). Results come back in input order."""
+    if batch_size < 1:
+        raise ValueError("batch_size must be at least 1")
+    encoded = [encode_prompt(tokenizer, p, chat_template) for p in prompts]
+    results = []
+    for start in range(0, len(encoded), batch_size):
+        chunk = encoded[start : start + batch_size]
+        tokens = [[] for _ in chunk]
+        steps, step_tokens, finish = [0] * len(chunk), [0] * len(chunk), [None] * len(chunk)
+        tic = time.perf_counter()
+        for outputs in generate_steps(
+            redrafter,
+            chunk,
+            max_tokens=max_tokens,
+            beam_width=beam_width,
+            beam_length=beam_length,
+            choose=choose,
+            eos_token_ids=tokenizer.eos_token_ids,
+        ):
+            for out in outputs:
+                tokens[out.row] += out.tokens
+                finish[out.row] = out.finish_reason
+                if out.num_accepted is not None:
+                    steps[out.row] += 1
+                    step_tokens[out.row] += out.num_accepted + 1
+        seconds = time.perf_counter() - tic
+        for i, ids in enumerate(tokens):
+            results.append(
+                BatchResult(tokenizer.decode(ids), ids, len(chunk[i]), steps[i], step_tokens[i], finish[i], seconds)
+            )
+    return results

@@ -44,12 +44,14 @@ class ReDrafter:
 class TokenHistory:
     """What a node's token choice may depend on besides its logits.
 
+    rows: per batch row, the index of its prompt in the input list.
     context: per row, the prompt and all tokens committed so far (host lists).
     node_tokens: (B, N) tokens of the nodes being scored (None at prefill).
     node_mask: (B, N, N) ancestor-or-self mask of those nodes (None at prefill).
     node_depths: (B, N) their depths; the root is the context's last token.
     """
 
+    rows: list
     context: list
     node_tokens: Optional[mx.array] = None
     node_mask: Optional[mx.array] = None
@@ -112,8 +114,8 @@ class RowTracker:
     def history(self, tree: Optional[Tree] = None) -> TokenHistory:
         context = [self.context[r] for r in self.rows]
         if tree is None:
-            return TokenHistory(context)
-        return TokenHistory(context, tree.tokens, tree.mask, tree.depths)
+            return TokenHistory(self.rows, context)
+        return TokenHistory(self.rows, context, tree.tokens, tree.mask, tree.depths)
 
     def emit(self, tokens_per_row: list, num_accepted: Optional[list] = None) -> list[StepOutput]:
         """Record each active row's new tokens, cut at EOS and max_tokens."""

@@ -200,7 +200,7 @@ class FrequencyRoPE(nn.Module):
         super().__init__()
         self.dims = dims
         # mx.fast.rope takes wavelength-like "freqs": angle = position / freqs.
-        self._freqs = base ** (mx.arange(0, dims, 2, dtype=mx.float32) / dims) * factors
+        self._freqs = base ** (mx.arange(0, dims, 2, dtype=mx.float32) / dims) / factors
 
     def __call__(self, x, offset=0):
         return mx.fast.rope(
@@ -249,7 +249,8 @@ def model_config(arch: str, meta: dict, tensors: dict) -> dict:
         # local RoPE base 10k, every 6th layer global, and the query scale
         # 1/sqrt(head_dim) except for the 27B model (62 layers): 1/sqrt(hidden/heads).
         config["sliding_window"] = int(get("attention.sliding_window"))
-        config["sliding_window_pattern"] = int(get("attention.sliding_window_pattern", 6))
+        pattern = get("attention.sliding_window_pattern", 6)  # period, or per-layer "is sliding"
+        config["sliding_window_pattern"] = pattern if np.isscalar(pattern) else list(pattern).index(False) + 1
         config["rope_local_base_freq"] = 10_000.0
         layers = config["num_hidden_layers"]
         config["query_pre_attn_scalar"] = hidden // heads if layers == 62 else head_dim
@@ -339,7 +340,10 @@ def load_gguf(path: str, dtype: str | None = None, quantize_bits: int | None = N
         raise UserError(f"{path}: unsupported GGUF architecture {arch!r} (supported: {supported})")
     if "token_embd.weight" not in tensors:
         raise UserError(f"{path} has no token_embd.weight tensor")
-    config = model_config(arch, meta, tensors)
+    try:
+        config = model_config(arch, meta, tensors)
+    except (TypeError, ValueError) as e:
+        raise UserError(f"{path}: malformed model metadata ({e})") from None
     keep_quantized = dtype is None and quantize_bits is None
     # Without a dtype, float parts are float16 on a GPU but float32 on the CPU,
     # where MLX's float16 kernels are slow (quantized matmul ~35x, dense ~3x).
@@ -433,6 +437,8 @@ def gguf_tokenizer(meta: dict):
     from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, SPMStreamingDetokenizer, TokenizerWrapper
 
     kind = meta.get("tokenizer.ggml.model")
+    if "tokenizer.ggml.tokens" not in meta:
+        raise UserError("the GGUF file has no tokenizer (tokenizer.ggml.tokens)")
     if kind == "gpt2":
         tok, detokenizer = byte_level_bpe(meta), BPEStreamingDetokenizer
     elif kind == "llama":

@@ -33,6 +33,7 @@ class SamplingSettings:
     repetition_context_size: int = 20
     logit_bias: dict = field(default_factory=dict)
     seed: int = 0
+    row_seeds: Optional[list] = None  # a seed per prompt of a batch, instead of `seed`
 
     def __post_init__(self):
         if self.temp < 0:
@@ -59,11 +60,14 @@ def _mix(x: mx.array) -> mx.array:
     return x ^ (x >> 16)
 
 
-def gumbel_noise(seed: int, positions: mx.array, vocab_size: int) -> mx.array:
-    """Standard Gumbel noise (..., vocab_size), a pure function of the seed,
-    each position in ``positions`` (...) and the vocabulary index."""
+def gumbel_noise(seeds: list, positions: mx.array, vocab_size: int) -> mx.array:
+    """Standard Gumbel noise (B, N, vocab_size), a pure function of each
+    row's seed (B seeds), each position in ``positions`` (B, N) and the
+    vocabulary index."""
     vocab = mx.arange(vocab_size, dtype=mx.uint32)
-    key = _mix(_mix(mx.array(seed & 0xFFFFFFFF, mx.uint32) + mx.array(0x9E3779B9, mx.uint32)) ^ (seed >> 32))
+    low = mx.array([s & 0xFFFFFFFF for s in seeds], mx.uint32)
+    high = mx.array([(s >> 32) & 0xFFFFFFFF for s in seeds], mx.uint32)
+    key = _mix(_mix(low + mx.array(0x9E3779B9, mx.uint32)) ^ high)[:, None, None]
     x = _mix(key ^ _mix(positions.astype(mx.uint32)[..., None] * mx.array(0x27D4EB2F, mx.uint32) + 1))
     x = _mix(x ^ (vocab * mx.array(0x165667B1, mx.uint32)))
     uniform = ((x >> 8).astype(mx.float32) + 0.5) / float(1 << 24)  # in (0, 1)
@@ -128,7 +132,8 @@ def make_chooser(settings: SamplingSettings) -> Chooser:
         positions = mx.array([len(c) for c in history.context], mx.int32)[:, None]
         if history.node_depths is not None:
             positions = positions + history.node_depths
-        noise = gumbel_noise(settings.seed, mx.broadcast_to(positions, (batch, nodes)), vocab)
+        seeds = [settings.seed if settings.row_seeds is None else settings.row_seeds[r] for r in history.rows]
+        noise = gumbel_noise(seeds, mx.broadcast_to(positions, (batch, nodes)), vocab)
         return mx.argmax(logprobs.reshape(batch, nodes, vocab) / settings.temp + noise, axis=-1)
 
     return choose

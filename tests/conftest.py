@@ -15,7 +15,7 @@ VOCAB = 256
 HIDDEN = 64
 
 
-def tiny_model(kind: str = "llama", seed: int = 0, quantize: bool = False) -> nn.Module:
+def tiny_model(kind: str = "llama", seed: int = 0, quantize: bool = False, vocab: int = VOCAB) -> nn.Module:
     """A randomly initialised float32 mlx-lm model."""
     mx.random.seed(seed)
     common = dict(
@@ -25,7 +25,7 @@ def tiny_model(kind: str = "llama", seed: int = 0, quantize: bool = False) -> nn
         num_attention_heads=4,
         num_key_value_heads=2,
         rms_norm_eps=1e-5,
-        vocab_size=VOCAB,
+        vocab_size=vocab,
         max_position_embeddings=4096,
     )
     if kind == "llama":

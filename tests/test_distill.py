@@ -9,7 +9,8 @@ from conftest import tiny_model
 
 from redrafter_mlx.autoregressive import autoregressive_steps
 from redrafter_mlx.base_model import BaseModel
-from redrafter_mlx.distill import DataFolder, distill, read_prompts
+from redrafter_mlx.distill import DataFolder, distill
+from redrafter_mlx.prompts import read_prompts
 from redrafter_mlx.errors import UserError
 
 PROMPTS = ["hello there", "a", "what is two plus two?", "xyz" * 7, "tell me a story", "ok", "1 2 3 4 5"]
