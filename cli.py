@@ -143,9 +143,8 @@ def distill(
 ):
     """Generate distillation data: the base model's own responses to prompts."""
     from redrafter_mlx.api import encode_prompt
-    from redrafter_mlx.autoregressive import autoregressive_steps
     from redrafter_mlx.base_model import BaseModel
-    from redrafter_mlx.distill import DataFolder, distill as run_distill
+    from redrafter_mlx.distill import DataFolder, batch_generator, distill as run_distill
     from redrafter_mlx.prompts import read_prompts
     from redrafter_mlx.loading import load_base_model
 
@@ -156,13 +155,7 @@ def distill(
     base_model, tokenizer = load_base_model(model, _dtype(dtype))
     base = BaseModel(base_model)
 
-    def generate_batch(batch):
-        responses = [[] for _ in batch]
-        for step in autoregressive_steps(base, batch, max_tokens=max_tokens, choose=choose, eos_token_ids=tokenizer.eos_token_ids):
-            for out in step:
-                responses[out.row] += out.tokens
-        return responses
-
+    generate_batch = batch_generator(base, max_tokens, choose, tokenizer.eos_token_ids)
     settings = dict(model=model or "default", max_tokens=max_tokens, temp=temp, top_p=top_p, seed=seed)
     totals = run_distill(base, lambda text: encode_prompt(tokenizer, text), texts, DataFolder(output), settings, generate_batch, batch_size)
     typer.echo(

@@ -8,6 +8,12 @@ settings) and shards ``shard-NNNNN.npz``, each with
 - ``lengths`` (n,): prompt + response tokens
 - ``tokens`` (sum(lengths),): the sequences, concatenated
 
+Beside each shard, ``hidden-NNNNN.npy`` (float16, (sum of response
+lengths, hidden_size)) keeps the hidden state each response token was chosen
+from, in the same order: drafter training needs exactly these, and they come
+free with generation. They are a cache: training recomputes any that are
+missing (they are too large to keep in git).
+
 Shards are written whole (to a temporary name, then renamed), so an
 interrupted run loses at most the batch in flight; running the same command
 again skips the prompts already done.
@@ -97,12 +103,17 @@ class DataFolder:
                 done.update(data["prompt_index"].tolist())
         return done
 
-    def write_shard(self, prompt_index: list, prompt_lengths: list, sequences: list) -> Path:
-        """Write one shard atomically; on failure nothing partial remains."""
+    def write_shard(self, prompt_index: list, prompt_lengths: list, sequences: list, hidden: Optional[list] = None) -> Path:
+        """Write one shard (and its hidden states, if given) atomically; on
+        failure nothing partial remains."""
         number = len(self.shards())
         final = self.path / f"shard-{number:05d}.npz"
         temporary = self.path / f".shard-{number:05d}.tmp.npz"
+        hidden_final, hidden_temporary = hidden_path(final), self.path / f".hidden-{number:05d}.tmp.npy"
         try:
+            if hidden is not None:
+                np.save(hidden_temporary, np.concatenate(hidden).astype(np.float16))
+                os.replace(hidden_temporary, hidden_final)
             np.savez(
                 temporary,
                 prompt_index=np.asarray(prompt_index, np.int32),
@@ -113,11 +124,16 @@ class DataFolder:
             os.replace(temporary, final)
         except OSError as e:
             temporary.unlink(missing_ok=True)
+            hidden_temporary.unlink(missing_ok=True)
             raise UserError(
                 f"cannot write {final} ({e.strerror}); the {number} shards already written are "
                 "intact: free space and run the same command again to resume"
             ) from None
         return final
+
+
+def hidden_path(shard: Path) -> Path:
+    return shard.with_name(shard.name.replace("shard-", "hidden-").replace(".npz", ".npy"))
 
 
 def _prompts_digest(prompts: list[str]) -> str:
@@ -142,6 +158,25 @@ def prepare_folder(folder: DataFolder, prompts: list[str], settings: dict) -> No
         )
 
 
+def batch_generator(base, max_tokens: int, choose, eos_token_ids) -> Callable[[list], tuple]:
+    """``generate_batch`` for ``distill``: plain batched decoding that keeps
+    each response token's hidden state."""
+    from .autoregressive import autoregressive_steps
+
+    def generate_batch(prompts: list) -> tuple[list, list]:
+        responses, hidden = [[] for _ in prompts], [[] for _ in prompts]
+        steps = autoregressive_steps(
+            base, prompts, max_tokens=max_tokens, choose=choose, eos_token_ids=eos_token_ids, with_hidden=True
+        )
+        for step in steps:
+            for out in step:
+                responses[out.row] += out.tokens
+                hidden[out.row].append(out.hidden)
+        return responses, [np.concatenate(h) for h in hidden]
+
+    return generate_batch
+
+
 def batches_by_length(indices: list[int], lengths: list[int], batch_size: int) -> Iterator[list[int]]:
     """Group prompts of similar length, so that left padding wastes little."""
     ordered = sorted(indices, key=lambda i: lengths[i])
@@ -161,8 +196,9 @@ def distill(
 ) -> dict:
     """Generate responses for every prompt not yet in ``folder``.
 
-    ``generate_batch(list of token lists) -> list of response token lists``
-    runs the base model; one shard is written per batch. Returns totals.
+    ``generate_batch(list of token lists) -> (responses, hidden)`` runs the
+    base model: response token lists, and per response its (n, hidden_size)
+    hidden states or None. One shard is written per batch. Returns totals.
     """
     from tqdm import tqdm
 
@@ -177,8 +213,9 @@ def distill(
     bar = tqdm(total=len(prompts), initial=len(done), unit="prompt", disable=not progress, dynamic_ncols=True)
     new_tokens, start = 0, time.perf_counter()
     for batch in batches_by_length(todo, lengths, batch_size):
-        responses = generate_batch([tokenized[i] for i in batch])
-        folder.write_shard(batch, [lengths[i] for i in batch], [tokenized[i] + r for i, r in zip(batch, responses)])
+        responses, hidden = generate_batch([tokenized[i] for i in batch])
+        sequences = [tokenized[i] + r for i, r in zip(batch, responses)]
+        folder.write_shard(batch, [lengths[i] for i in batch], sequences, hidden)
         new_tokens += sum(len(r) for r in responses)
         elapsed = time.perf_counter() - start
         bar.update(len(batch))

@@ -68,12 +68,15 @@ class StepOutput:
     num_accepted: drafted tokens the base model accepted in this step (None
         for the first token, which comes from the prefill).
     finish_reason: None while the row goes on, else "stop" or "length".
+    hidden: (len(tokens), hidden_size) float16, the base model's hidden state
+        from which each token was chosen; only when asked for.
     """
 
     row: int
     tokens: list
     num_accepted: Optional[int]
     finish_reason: Optional[str] = None
+    hidden: Optional[np.ndarray] = None
 
 
 @dataclass

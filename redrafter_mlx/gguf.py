@@ -102,11 +102,11 @@ def read_gguf(path: str) -> tuple[dict, dict[str, TensorInfo]]:
         nonlocal pos
         values = struct.unpack_from(fmt, buf, pos)
         pos += struct.calcsize(fmt)
-        return values[0] if len(values) == 1 else values
+        return values
 
     def string():
         nonlocal pos
-        n = unpack("<Q")
+        (n,) = unpack("<Q")
         if pos + n > len(buf):
             raise ValueError("string runs past the end of the file")
         pos += n
@@ -134,32 +134,26 @@ def read_gguf(path: str) -> tuple[dict, dict[str, TensorInfo]]:
         meta = {}
         for _ in range(n_kv):
             key = string()
-            meta[key] = value(unpack("<I"))
+            meta[key] = value(*unpack("<I"))
         infos = []
         for _ in range(n_tensors):
             name = string()
-            dims = unpack(f"<{unpack('<I')}Q")
-            dims = dims if isinstance(dims, tuple) else (dims,)
-            qtype, offset = QType(unpack("<I")), unpack("<Q")
+            dims = unpack(f"<{unpack('<I')[0]}Q")
+            qtype, (offset,) = QType(*unpack("<I")), unpack("<Q")
             infos.append((name, dims, qtype, offset))
-    except (struct.error, ValueError, KeyError, UnicodeDecodeError, OverflowError) as e:
+        align = int(meta.get("general.alignment", 32))
+        start = -(-pos // align) * align  # tensor data begins at the next aligned offset
+        tensors = {}
+        for name, dims, qtype, offset in infos:
+            block, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+            rows, row_bytes = int(np.prod(dims[1:])), dims[0] // block * block_bytes
+            end = start + offset + rows * row_bytes
+            if end > len(buf):
+                raise UserError(f"{path} is truncated: tensor {name} ends at byte {end}, the file has {len(buf)}")
+            raw = np.frombuffer(buf, np.uint8, rows * row_bytes, start + offset)
+            tensors[name] = TensorInfo(qtype, dims[::-1], raw.reshape(rows, row_bytes) if len(dims) > 1 else raw)
+    except (struct.error, ValueError, KeyError, IndexError, UnicodeDecodeError, OverflowError) as e:
         raise UserError(f"{path} is not a valid GGUF file (bad header: {e})") from None
-
-    align = int(meta.get("general.alignment", 32))
-    start = -(-pos // align) * align
-    tensors = {}
-    for name, dims, qtype, offset in infos:
-        block, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
-        row_bytes = dims[0] // block * block_bytes
-        rows = int(np.prod(dims[1:], dtype=np.int64))
-        end = start + offset + rows * row_bytes
-        if end > len(buf):
-            raise UserError(
-                f"{path} is truncated: tensor {name} needs {end} bytes, file has {len(buf)}"
-            )
-        raw = np.frombuffer(buf, np.uint8, rows * row_bytes, start + offset)
-        raw = raw.reshape(rows, row_bytes) if len(dims) > 1 else raw
-        tensors[name] = TensorInfo(qtype, tuple(reversed(dims)), raw)
     return meta, tensors
 
 
@@ -200,7 +194,7 @@ class FrequencyRoPE(nn.Module):
         super().__init__()
         self.dims = dims
         # mx.fast.rope takes wavelength-like "freqs": angle = position / freqs.
-        self._freqs = base ** (mx.arange(0, dims, 2, dtype=mx.float32) / dims) / factors
+        self._freqs = base ** (mx.arange(0, dims, 2, dtype=mx.float32) / dims) * factors
 
     def __call__(self, x, offset=0):
         return mx.fast.rope(
@@ -306,10 +300,13 @@ def load_weights(arch: str, config: dict, tensors: dict, dtype, keep_quantized: 
         if arch == "llama" and name.endswith(("attn_q.weight", "attn_k.weight")):
             kv = name.endswith("attn_k.weight")
             n_head = config["num_key_value_heads" if kv else "num_attention_heads"]
-        arrays, layer_bits = load_tensor(info, keep_quantized, dtype, n_head)
         if arch == "gemma3" and name.endswith("norm.weight"):
-            # llama.cpp stores Gemma's RMSNorm weights as w + 1; mlx-lm adds the 1 itself.
-            arrays["weight"] = (arrays["weight"].astype(mx.float32) - 1).astype(dtype)
+            # llama.cpp stores Gemma's RMSNorm weights (float32) as w + 1; mlx-lm
+            # adds the 1 itself. Subtract before any cast to keep w's precision.
+            values = gguf.quants.dequantize(info.raw, info.qtype) - 1
+            arrays, layer_bits = {"weight": mx.array(values).astype(dtype)}, None
+        else:
+            arrays, layer_bits = load_tensor(info, keep_quantized, dtype, n_head)
         if leaf != "weight":  # qwen2's q/k/v biases
             arrays = {leaf: arrays["weight"]}
         weights.update({f"{module}.{k}": v for k, v in arrays.items()})
@@ -344,6 +341,12 @@ def load_gguf(path: str, dtype: str | None = None, quantize_bits: int | None = N
         config = model_config(arch, meta, tensors)
     except (TypeError, ValueError) as e:
         raise UserError(f"{path}: malformed model metadata ({e})") from None
+    try:
+        tokenizer = gguf_tokenizer(meta)
+    except UserError:
+        raise
+    except Exception as e:  # the tokenizers library raises plain Exceptions
+        raise UserError(f"{path}: malformed tokenizer metadata ({e})") from None
     keep_quantized = dtype is None and quantize_bits is None
     # Without a dtype, float parts are float16 on a GPU but float32 on the CPU,
     # where MLX's float16 kernels are slow (quantized matmul ~35x, dense ~3x).
@@ -361,9 +364,11 @@ def load_gguf(path: str, dtype: str | None = None, quantize_bits: int | None = N
     except ValueError as e:
         raise UserError(f"{path}: tensors do not match the {arch} model: {e}") from None
     if "rope_freqs.weight" in tensors:
-        factors = mx.array(gguf.quants.dequantize(tensors["rope_freqs.weight"].raw, tensors["rope_freqs.weight"].qtype))
+        info = tensors["rope_freqs.weight"]
+        factors = mx.array(gguf.quants.dequantize(info.raw, info.qtype))
+        rope = FrequencyRoPE(config["head_dim"], config.get("rope_theta", 10000.0), factors)
         for layer in model.layers:
-            layer.self_attn.rope = FrequencyRoPE(config["head_dim"], config.get("rope_theta", 10000.0), factors)
+            layer.self_attn.rope = rope
     if quantize_bits:
         nn.quantize(
             model,
@@ -373,7 +378,7 @@ def load_gguf(path: str, dtype: str | None = None, quantize_bits: int | None = N
         )
     mx.eval(model.parameters())
     model.eval()
-    return model, gguf_tokenizer(meta)
+    return model, tokenizer
 
 
 def byte_level_bpe(meta: dict):
@@ -477,7 +482,7 @@ def gguf_tokenizer(meta: dict):
         chat_template=meta.get("tokenizer.chat_template"),
     )
     # Chat models end a turn with an end-of-turn token that may differ from EOS.
-    stops = [i for i in (special("eos")[1], special("eot")[1], special("eom")[1]) if i is not None]
+    stops = [i for i in (eos_id, special("eot")[1], special("eom")[1]) if i is not None]
     return TokenizerWrapper(hf, detokenizer_class=detokenizer, eos_token_ids=stops)
 
 

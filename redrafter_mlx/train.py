@@ -26,7 +26,7 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
-from .distill import DataFolder, Sequences
+from .distill import DataFolder, Sequences, hidden_path
 from .drafter import Drafter, DrafterArgs, load_drafter, save_drafter
 from .errors import UserError
 
@@ -96,7 +96,9 @@ def build_positions(sequences: Sequences, depth: int, eval_fraction: float) -> P
 
 def compute_hidden_cache(base, folder: DataFolder, sequences: Sequences, batch_tokens: int = 8192, progress: bool = True) -> np.ndarray:
     """h[t] for every training position, as a float16 (R, hidden) memmap in
-    the data folder; resumes where an interrupted run stopped."""
+    the data folder. Rows come from the hidden states saved by ``distill``
+    where a shard has them, else from the base model, a batch of sequences
+    at a time; an interrupted run resumes where it stopped."""
     from tqdm import tqdm
 
     counts = cached_positions(sequences)
@@ -104,28 +106,36 @@ def compute_hidden_cache(base, folder: DataFolder, sequences: Sequences, batch_t
     path, progress_path = folder.path / HIDDEN_FILE, folder.path / HIDDEN_PROGRESS
     identity = {"rows": total, "hidden_size": base.hidden_size, "sequences": len(sequences)}
     state = json.loads(progress_path.read_text()) if progress_path.exists() else None
-    if state is None or state.get("identity") != identity:
+    if state is None or state.get("identity") != identity or not path.exists():
         state = {"identity": identity, "done": 0}
         np.lib.format.open_memmap(path, mode="w+", dtype=np.float16, shape=(total, base.hidden_size)).flush()
     cache = np.lib.format.open_memmap(path, mode="r+")
     offsets = np.concatenate([[0], np.cumsum(counts)])
     starts = np.concatenate([[0], np.cumsum(sequences.lengths)[:-1]])
+    shard_ends = np.cumsum([_shard_size(shard) for shard in folder.shards()])
     bar = tqdm(total=len(sequences), initial=state["done"], unit="seq", desc="hidden states", disable=not progress)
     i = state["done"]
     while i < len(sequences):
-        # A batch of consecutive sequences, right-padded, of about batch_tokens.
-        longest, j = 0, i
-        while j < len(sequences) and max(longest, sequences.lengths[j]) * (j - i + 1) <= max(batch_tokens, sequences.lengths[j]):
-            longest = max(longest, int(sequences.lengths[j]))
-            j += 1
-        batch = np.zeros((j - i, longest), np.int32)
-        for k in range(i, j):
-            batch[k - i, : sequences.lengths[k]] = sequences.tokens[starts[k] : starts[k] + sequences.lengths[k]]
-        hidden = base.backbone(mx.array(batch)).astype(mx.float16)
-        hidden = np.array(hidden)
-        for k in range(i, j):
-            first = sequences.prompt_lengths[k] - 1
-            cache[offsets[k] : offsets[k + 1]] = hidden[k - i, first : first + counts[k]]
+        shard = int(np.searchsorted(shard_ends, i, side="right"))
+        shard_end = int(shard_ends[shard])
+        saved = hidden_path(folder.shards()[shard])
+        rows = offsets[shard_end] - offsets[i]
+        if saved.exists() and i == (shard_ends[shard - 1] if shard else 0) and np.load(saved, mmap_mode="r").shape == (rows, base.hidden_size):
+            cache[offsets[i] : offsets[shard_end]] = np.load(saved)
+            j = shard_end
+        else:
+            # A batch of consecutive sequences of this shard, right-padded.
+            longest, j = 0, i
+            while j < shard_end and max(longest, sequences.lengths[j]) * (j - i + 1) <= max(batch_tokens, sequences.lengths[j]):
+                longest = max(longest, int(sequences.lengths[j]))
+                j += 1
+            batch = np.zeros((j - i, longest), np.int32)
+            for k in range(i, j):
+                batch[k - i, : sequences.lengths[k]] = sequences.tokens[starts[k] : starts[k] + sequences.lengths[k]]
+            hidden = np.array(base.backbone(mx.array(batch)).astype(mx.float16))
+            for k in range(i, j):
+                first = sequences.prompt_lengths[k] - 1
+                cache[offsets[k] : offsets[k + 1]] = hidden[k - i, first : first + counts[k]]
         cache.flush()
         state["done"] = j
         progress_path.write_text(json.dumps(state))
@@ -133,6 +143,11 @@ def compute_hidden_cache(base, folder: DataFolder, sequences: Sequences, batch_t
         i = j
     bar.close()
     return np.lib.format.open_memmap(path, mode="r")
+
+
+def _shard_size(shard: Path) -> int:
+    with np.load(shard) as data:
+        return len(data["lengths"])
 
 
 def build_draft_vocab(sequences: Sequences, size: int) -> np.ndarray:

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 from conftest import tiny_model
 
-from redrafter_mlx.autoregressive import autoregressive_steps
 from redrafter_mlx.base_model import BaseModel
-from redrafter_mlx.distill import DataFolder, distill
+from redrafter_mlx.distill import DataFolder, batch_generator, distill
+from redrafter_mlx.generate import greedy
 from redrafter_mlx.prompts import read_prompts
 from redrafter_mlx.errors import UserError
 
@@ -25,19 +25,12 @@ def base():
     return BaseModel(tiny_model("llama", seed=3))
 
 
-def batch_generator(base, max_tokens=20, eos=(7,)):
-    def generate_batch(batch):
-        responses = [[] for _ in batch]
-        for step in autoregressive_steps(base, batch, max_tokens=max_tokens, eos_token_ids=eos):
-            for out in step:
-                responses[out.row] += out.tokens
-        return responses
-
-    return generate_batch
+def generator(base, max_tokens=20, eos=(7,)):
+    return batch_generator(base, max_tokens, greedy, eos)
 
 
 def run(base, folder, prompts=PROMPTS, batch_size=3, **kwargs):
-    return distill(base, tokenize, prompts, DataFolder(folder), {"max_tokens": 20}, batch_generator(base, **kwargs), batch_size, progress=False)
+    return distill(base, tokenize, prompts, DataFolder(folder), {"max_tokens": 20}, generator(base, **kwargs), batch_size, progress=False)
 
 
 def sequences_by_prompt(folder):
@@ -51,9 +44,9 @@ def test_batched_output_equals_single_prompt_generation_and_is_deterministic(bas
     batched = sequences_by_prompt(tmp_path / "a")
     assert batched == sequences_by_prompt(tmp_path / "b")
     assert sorted(batched) == list(range(len(PROMPTS)))
-    generate = batch_generator(base)
+    generate = generator(base)
     for i, prompt in enumerate(PROMPTS):
-        alone = tokenize(prompt) + generate([tokenize(prompt)])[0]
+        alone = tokenize(prompt) + generate([tokenize(prompt)])[0][0]
         assert batched[i] == alone
     lengths = {len(s) - len(tokenize(PROMPTS[i])) for i, s in batched.items()}
     assert len(lengths) > 1  # rows stopped at EOS at different points
@@ -61,7 +54,7 @@ def test_batched_output_equals_single_prompt_generation_and_is_deterministic(bas
 
 def test_interrupted_run_resumes_without_redoing_prompts(base, tmp_path):
     calls = []
-    generate = batch_generator(base)
+    generate = generator(base)
 
     def failing(batch):
         if len(calls) == 1:

@@ -128,3 +128,22 @@ def test_resuming_from_a_checkpoint_continues_with_identical_loss(setup, tmp_pat
     losses = []
     train(resumed, progress=False, log=lambda r: losses.append(r["loss"]))
     assert losses == straight[12:]
+
+
+def test_hidden_states_saved_by_distill_equal_recomputed_ones(tmp_path):
+    from redrafter_mlx.distill import batch_generator, distill
+    from redrafter_mlx.generate import greedy
+
+    base = BaseModel(tiny_model("llama", seed=6))
+    prompts = ["abc", "hello world", "x", "a longer prompt here"]
+    folder = DataFolder(str(tmp_path / "d"))
+    tokenize = lambda text: [ord(c) % 256 for c in text]
+    distill(base, tokenize, prompts, folder, {}, batch_generator(base, 12, greedy, [7]), 3, progress=False)
+    assert len(list(folder.path.glob("hidden-*.npy"))) == 2
+    sequences = folder.load()
+    saved = np.array(compute_hidden_cache(base, folder, sequences, progress=False))
+    for f in list(folder.path.glob("hidden*")):
+        f.unlink()
+    recomputed = np.array(compute_hidden_cache(base, folder, sequences, progress=False))
+    assert saved.shape == recomputed.shape == (int((sequences.lengths - sequences.prompt_lengths).sum()), HIDDEN)
+    np.testing.assert_allclose(saved, recomputed, atol=1e-2, rtol=1e-2)
