@@ -129,6 +129,111 @@ def _summary(text, tokens, prompt_tokens, steps, step_tokens, generation_tps, fi
 
 
 @app.command()
+def chat(
+    model: Optional[str] = typer.Option(None, "--model", "-m", help=MODEL_HELP),
+    drafter: Optional[str] = typer.Option(None, "--drafter", "-d", help=DRAFTER_HELP),
+    max_tokens: int = typer.Option(512, "--max-tokens", "-n", help="Maximum tokens per answer."),
+    temp: float = TEMP,
+    top_p: float = TOP_P,
+    top_k: int = TOP_K,
+    min_p: float = MIN_P,
+    repetition_penalty: Optional[float] = REPETITION_PENALTY,
+    seed: int = SEED,
+    beam_width: int = typer.Option(4, "--beam-width", help="Beams drafted per step."),
+    beam_length: int = typer.Option(5, "--beam-length", help="Tokens per beam, counting the last verified token."),
+    system_prompt: Optional[str] = typer.Option(None, "--system-prompt", help="System message at the start of the conversation."),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help=DTYPE_HELP),
+):
+    """Chat with the model; answers stream as ReDrafter accepts them."""
+    from redrafter_mlx.chat import chat_loop
+    from redrafter_mlx.generate import check_settings
+    from redrafter_mlx.loading import load
+
+    choose = _sampling(temp, top_p, top_k, min_p, repetition_penalty, seed)
+    check_settings(max_tokens, beam_width, beam_length)
+    redrafter, tokenizer = load(model, drafter, dtype=_dtype(dtype))
+    if not tokenizer.has_chat_template:
+        fail("this model's tokenizer has no chat template; use `redrafter-mlx generate`")
+    chat_loop(redrafter, tokenizer, max_tokens, system_prompt, beam_width=beam_width, beam_length=beam_length, choose=choose)
+
+
+def _int_list(text: str, name: str) -> list:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        fail(f"{name} takes comma-separated integers, got {text!r}")
+    if not values:
+        fail(f"{name} is empty")
+    return values
+
+
+@app.command()
+def bench(
+    model: Optional[str] = typer.Option(None, "--model", "-m", help=MODEL_HELP),
+    drafter: Optional[str] = typer.Option(None, "--drafter", "-d", help=DRAFTER_HELP),
+    prompts_file: Optional[str] = typer.Option(None, "--prompts", help="JSONL file with a \"prompt\" per line; default: 8 built-in prompts."),
+    num_prompts: int = typer.Option(8, "--num-prompts", help="Use the first N prompts."),
+    max_tokens: int = typer.Option(128, "--max-tokens", "-n", help="Tokens generated per prompt."),
+    temp: float = TEMP,
+    top_p: float = TOP_P,
+    seed: int = SEED,
+    beam_widths: str = typer.Option("1,2,4", "--beam-widths", help="Beam widths to measure, comma-separated."),
+    beam_lengths: str = typer.Option("3,5", "--beam-lengths", help="Beam lengths to measure, comma-separated."),
+    batch_size: int = typer.Option(1, "--batch-size", "-b", help="Prompts decoded together (1 compares against mlx-lm's own loop)."),
+    repeats: int = typer.Option(1, "--repeats", help="Times each prompt batch is measured."),
+    json_out: Optional[str] = typer.Option(None, "--json", help="Write all results, machine, mlx version and settings to this JSON file."),
+    plot_out: Optional[str] = typer.Option(None, "--plot", help="Draw a heat map of speed-up over beam width x length to this PNG (needs matplotlib)."),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help=DTYPE_HELP),
+):
+    """Measure autoregressive decoding against ReDrafter on the same prompts."""
+    from tqdm import tqdm
+    from mlx_lm.sample_utils import make_sampler
+
+    from redrafter_mlx.api import encode_prompt
+    from redrafter_mlx.bench import DEFAULT_PROMPTS, environment, format_table, plot_heatmap, report, run_benchmark
+    from redrafter_mlx.generate import check_settings
+    from redrafter_mlx.loading import load
+    from redrafter_mlx.prompts import read_prompts
+
+    widths, lengths = _int_list(beam_widths, "--beam-widths"), _int_list(beam_lengths, "--beam-lengths")
+    for w in widths:
+        for length in lengths:
+            check_settings(max_tokens, w, length)
+    if min(num_prompts, batch_size, repeats, max_tokens) < 1:
+        fail("--num-prompts, --batch-size, --repeats and --max-tokens must be at least 1")
+    if plot_out:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            fail("--plot needs matplotlib: pip install matplotlib")
+    choose = _sampling(temp, top_p, 0, 0.0, None, seed)
+    texts = (read_prompts(prompts_file) if prompts_file else DEFAULT_PROMPTS)[:num_prompts]
+    redrafter, tokenizer = load(model, drafter, dtype=_dtype(dtype))
+    prompts = [encode_prompt(tokenizer, t) for t in texts]
+    shapes = [(w, length) for w in widths for length in lengths]
+    env = environment(str(redrafter.base.dtype).replace("mlx.core.", ""))
+    typer.echo(f"device {env['device']}, BLAS {env['blas']}, dtype {env['dtype']}, mlx {env['mlx']}, mlx-lm {env['mlx_lm']}")
+    batches = -(-len(prompts) // batch_size)
+    with tqdm(total=repeats * batches * len(shapes), unit="run", desc="bench", file=sys.stderr) as bar:
+        results = run_benchmark(
+            redrafter, prompts, shapes, max_tokens=max_tokens, batch_size=batch_size, repeats=repeats,
+            choose=choose, sampler=make_sampler(temp=temp, top_p=top_p if top_p < 1 else 0.0), greedy=temp == 0,
+            eos=list(tokenizer.eos_token_ids), progress=bar.update,
+        )
+    typer.echo(format_table(results))
+    mismatched = [f"{r.beam_width}x{r.beam_length}" for r in results if r.mismatches]
+    if mismatched:
+        typer.echo(f"WARNING: greedy ReDrafter output differs from autoregressive output for beam shapes {', '.join(mismatched)}", err=True)
+    settings = dict(model=model or "default", drafter=drafter or "default", prompts=prompts_file or "built-in", num_prompts=len(prompts),
+                    max_tokens=max_tokens, temp=temp, top_p=top_p, seed=seed, batch_size=batch_size, repeats=repeats)
+    if json_out:
+        with open(json_out, "w") as f:
+            json.dump(report(results, settings, env), f, indent=2)
+    if plot_out:
+        plot_heatmap(results, plot_out, f"speed-up, {env['device']} {env['dtype']}, batch {batch_size}")
+
+
+@app.command()
 def distill(
     prompts: str = typer.Option(..., "--prompts", help="JSONL file with a \"prompt\" field per line (the chat template is applied)."),
     output: str = typer.Option(..., "--output", "-o", help="Data folder to create, or to resume."),

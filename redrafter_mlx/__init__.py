@@ -16,3 +16,8 @@ if not _os.path.exists(_os.path.join(__path__[0], "cli.py")) and _os.path.exists
     __path__.append(_root)
 
 __version__ = "0.1.0"
+
+from .api import batch_generate, generate, stream_generate  # noqa: E402
+from .loading import load  # noqa: E402
+
+__all__ = ["load", "generate", "stream_generate", "batch_generate"]

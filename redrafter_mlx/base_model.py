@@ -21,7 +21,7 @@ class BaseModel:
     Attributes:
         model: the mlx-lm model itself (its RoPE modules are wrapped by
             ``TreeRoPE``, which changes nothing for ordinary calls).
-        hidden_size, vocab_size, max_context: from the model.
+        hidden_size, vocab_size, max_context, dtype: from the model.
     """
 
     def __init__(self, model: nn.Module):
@@ -41,6 +41,7 @@ class BaseModel:
         text_args = getattr(args, "text_config", None) or args
         self.max_context = getattr(text_args, "max_position_embeddings", None)
         self.hidden_size, self.vocab_size = self._probe()
+        self.dtype = self.embed(mx.array([0])).dtype  # what the model computes in
 
     def _probe(self) -> tuple[int, int]:
         """Check hidden -> head reproduces the model's logits; return sizes."""

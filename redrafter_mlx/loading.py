@@ -100,5 +100,5 @@ def load(
     base_model, tokenizer = load_base_model(model, dtype, quantize)
     base = BaseModel(base_model)
     check_compatible(draft_model.args, base.hidden_size, base.vocab_size)
-    draft_model.set_dtype(base.embed(mx.array([0])).dtype)  # compute like the base model
+    draft_model.set_dtype(base.dtype)  # compute like the base model
     return ReDrafter(base, draft_model), tokenizer
