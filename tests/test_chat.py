@@ -1,0 +1,48 @@
+"""`redrafter-mlx chat` driven through a pseudo-terminal, as a user would."""
+
+import os
+import sys
+
+import pytest
+
+pexpect = pytest.importorskip("pexpect")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_chat_session(smol_drafter):
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    child = pexpect.spawn(
+        sys.executable, ["-m", "redrafter_mlx.cli", "chat", "--drafter", smol_drafter, "--max-tokens", "300"],
+        cwd=ROOT, env=env, encoding="utf-8", timeout=180,
+    )
+    try:
+        child.expect(">> ")
+        child.sendline("What is the capital of France? Answer in one sentence.")
+        child.expect("Paris")
+        child.expect(">> ")
+
+        child.sendline("/stats")
+        child.expect(r"last answer: \d+ tokens, [\d.]+ tokens/s, [\d.]+ tokens per step")
+        child.expect(r"session: \d+ tokens")
+        child.expect(">> ")
+
+        # Ctrl-C during a long answer stops it and keeps the chat going.
+        child.sendline("Write a very long story about a dragon and a knight, with many chapters.")
+        child.expect(r"\w+ \w+ \w+")  # the answer is streaming
+        child.sendcontrol("c")
+        child.expect(r"\[stopped\]")
+        child.expect(">> ")
+
+        # The conversation is intact: the model still answers, with context.
+        child.sendline("What city did I ask about first? Answer with one word.")
+        child.expect(">> ")
+        assert child.isalive()
+
+        child.sendline("/reset")
+        child.expect("conversation cleared")
+        child.expect(">> ")
+        child.sendcontrol("d")
+        child.expect(pexpect.EOF)
+    finally:
+        child.close(force=True)
+    assert child.exitstatus == 0, child.before
