@@ -242,14 +242,14 @@ def distill(
     temp: float = TEMP,
     top_p: float = TOP_P,
     seed: int = SEED,
-    batch_size: int = typer.Option(32, "--batch-size", "-b", help="Prompts generated together."),
+    batch_size: int = typer.Option(64, "--batch-size", "-b", help="Prompts generated together; finished ones are replaced by waiting ones."),
     limit: Optional[int] = typer.Option(None, "--limit", help="Use only the first N prompts."),
     dtype: Optional[str] = typer.Option(None, "--dtype", help=DTYPE_HELP),
 ):
     """Generate distillation data: the base model's own responses to prompts."""
     from redrafter_mlx.api import encode_prompt
     from redrafter_mlx.base_model import BaseModel
-    from redrafter_mlx.distill import DataFolder, batch_generator, distill as run_distill
+    from redrafter_mlx.distill import DataFolder, distill as run_distill, response_stream
     from redrafter_mlx.prompts import read_prompts
     from redrafter_mlx.loading import load_base_model
 
@@ -260,9 +260,9 @@ def distill(
     base_model, tokenizer = load_base_model(model, _dtype(dtype))
     base = BaseModel(base_model)
 
-    generate_batch = batch_generator(base, max_tokens, choose, tokenizer.eos_token_ids)
+    generate = response_stream(base, max_tokens, choose, tokenizer.eos_token_ids)
     settings = dict(model=model or "default", max_tokens=max_tokens, temp=temp, top_p=top_p, seed=seed)
-    totals = run_distill(base, lambda text: encode_prompt(tokenizer, text), texts, DataFolder(output), settings, generate_batch, batch_size)
+    totals = run_distill(base, lambda text: encode_prompt(tokenizer, text), texts, DataFolder(output), settings, generate, batch_size)
     typer.echo(
         f"{totals['new_prompts']} prompts, {totals['new_tokens']} new tokens in {totals['seconds']:.0f} s; "
         f"{output} holds {totals['prompts']} prompts"

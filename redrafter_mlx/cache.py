@@ -110,6 +110,17 @@ class CacheLayout:
         self.left_padding = self.left_padding[rows]
         self.lengths = self.lengths[rows]
 
+    def extend(self, other: "CacheLayout") -> tuple[int, int]:
+        """Append the rows of another aligned layout (new prompts joining a
+        batch between chunks). Both sides are left-padded to the longer one;
+        returns the padding added to (self, other)."""
+        mine, theirs = self.start, other.start
+        assert (self.lengths == mine).all() and (other.lengths == theirs).all(), "chunks need aligned rows"
+        longest = max(mine, theirs)
+        self.left_padding = np.concatenate([self.left_padding + longest - mine, other.left_padding + longest - theirs])
+        self.lengths = np.full(len(self.left_padding), longest, dtype=np.int64)
+        return longest - mine, longest - theirs
+
 
 class TreeKVCache:
     """One layer's keys and values, (B, kv_heads, capacity, head_dim)."""
@@ -162,6 +173,16 @@ class TreeKVCache:
 
     def filter(self, rows: mx.array) -> None:
         self.keys, self.values = self.keys[rows], self.values[rows]
+
+    def extend(self, other: "TreeKVCache", length: int, other_length: int, pad: int, other_pad: int) -> None:
+        """Append another cache's rows, each side holding ``length`` /
+        ``other_length`` positions and moved right by ``pad`` / ``other_pad``."""
+
+        def shifted(buffer, used, shift):
+            return mx.pad(buffer[..., :used, :], [(0, 0), (0, 0), (shift, 0), (0, 0)])
+
+        self.keys = mx.concatenate([shifted(self.keys, length, pad), shifted(other.keys, other_length, other_pad)])
+        self.values = mx.concatenate([shifted(self.values, length, pad), shifted(other.values, other_length, other_pad)])
 
     def state_arrays(self) -> list:
         return [self.keys, self.values]

@@ -158,30 +158,26 @@ def prepare_folder(folder: DataFolder, prompts: list[str], settings: dict) -> No
         )
 
 
-def batch_generator(base, max_tokens: int, choose, eos_token_ids) -> Callable[[list], tuple]:
-    """``generate_batch`` for ``distill``: plain batched decoding that keeps
-    each response token's hidden state."""
+def response_stream(base, max_tokens: int, choose, eos_token_ids) -> Callable[[list, int], Iterator[tuple]]:
+    """``generate`` for ``distill``: batched decoding that refills the batch
+    as rows finish and yields ``(index, response tokens, hidden states)``
+    for each prompt as soon as it is done."""
     from .autoregressive import autoregressive_steps
 
-    def generate_batch(prompts: list) -> tuple[list, list]:
-        responses, hidden = [[] for _ in prompts], [[] for _ in prompts]
+    def generate(prompts: list, batch_size: int) -> Iterator[tuple]:
+        tokens, hidden = {}, {}
         steps = autoregressive_steps(
-            base, prompts, max_tokens=max_tokens, choose=choose, eos_token_ids=eos_token_ids, with_hidden=True
+            base, prompts, max_tokens=max_tokens, choose=choose, eos_token_ids=eos_token_ids,
+            with_hidden=True, max_batch=batch_size,
         )
         for step in steps:
             for out in step:
-                responses[out.row] += out.tokens
-                hidden[out.row].append(out.hidden)
-        return responses, [np.concatenate(h) for h in hidden]
+                tokens.setdefault(out.row, []).extend(out.tokens)
+                hidden.setdefault(out.row, []).append(out.hidden)
+                if out.finish_reason:
+                    yield out.row, tokens.pop(out.row), np.concatenate(hidden.pop(out.row))
 
-    return generate_batch
-
-
-def batches_by_length(indices: list[int], lengths: list[int], batch_size: int) -> Iterator[list[int]]:
-    """Group prompts of similar length, so that left padding wastes little."""
-    ordered = sorted(indices, key=lambda i: lengths[i])
-    for start in range(0, len(ordered), batch_size):
-        yield ordered[start : start + batch_size]
+    return generate
 
 
 def distill(
@@ -190,15 +186,17 @@ def distill(
     prompts: list[str],
     folder: DataFolder,
     settings: dict,
-    generate_batch: Callable[[list], list],
+    generate: Callable[[list, int], Iterator[tuple]],
     batch_size: int,
+    shard_size: int = 256,
     progress: bool = True,
 ) -> dict:
     """Generate responses for every prompt not yet in ``folder``.
 
-    ``generate_batch(list of token lists) -> (responses, hidden)`` runs the
-    base model: response token lists, and per response its (n, hidden_size)
-    hidden states or None. One shard is written per batch. Returns totals.
+    Prompts run shortest first (little left padding), ``batch_size`` at a
+    time; ``generate(token lists, batch_size)`` yields ``(index, response,
+    hidden or None)`` as each finishes. A shard is written every
+    ``shard_size`` finished prompts. Returns totals.
     """
     from tqdm import tqdm
 
@@ -206,19 +204,28 @@ def distill(
     done = folder.done_prompts()
     todo = [i for i in range(len(prompts)) if i not in done]
     tokenized = {i: tokenize(prompts[i]) for i in todo}
-    lengths = {i: len(t) for i, t in tokenized.items()}
-    too_long = [i for i in todo if base.max_context and lengths[i] >= base.max_context]
+    too_long = [i for i in todo if base.max_context and len(tokenized[i]) >= base.max_context]
     if too_long:
         raise UserError(f"prompt on line {too_long[0] + 1} does not fit the model's context")
+    order = sorted(todo, key=lambda i: len(tokenized[i]))
     bar = tqdm(total=len(prompts), initial=len(done), unit="prompt", disable=not progress, dynamic_ncols=True)
-    new_tokens, start = 0, time.perf_counter()
-    for batch in batches_by_length(todo, lengths, batch_size):
-        responses, hidden = generate_batch([tokenized[i] for i in batch])
-        sequences = [tokenized[i] + r for i, r in zip(batch, responses)]
-        folder.write_shard(batch, [lengths[i] for i in batch], sequences, hidden)
-        new_tokens += sum(len(r) for r in responses)
-        elapsed = time.perf_counter() - start
-        bar.update(len(batch))
-        bar.set_postfix_str(f"{new_tokens / elapsed:.0f} tokens/s")
+    new_tokens, start, pending = 0, time.perf_counter(), []
+
+    def flush():
+        if pending:
+            indices, responses, hidden = zip(*pending)
+            sequences = [tokenized[i] + r for i, r in zip(indices, responses)]
+            folder.write_shard(list(indices), [len(tokenized[i]) for i in indices], sequences, list(hidden))
+            pending.clear()
+
+    if order:
+        for local, response, hidden in generate([tokenized[i] for i in order], batch_size):
+            pending.append((order[local], response, hidden))
+            new_tokens += len(response)
+            bar.update(1)
+            bar.set_postfix_str(f"{new_tokens / (time.perf_counter() - start):.0f} tokens/s")
+            if len(pending) >= shard_size:
+                flush()
+        flush()
     bar.close()
     return {"prompts": len(prompts), "new_prompts": len(todo), "new_tokens": new_tokens, "seconds": time.perf_counter() - start}

@@ -107,8 +107,8 @@ class RowTracker:
     context: per input prompt, the prompt followed by its emitted tokens.
     """
 
-    def __init__(self, prompts: Sequence[Sequence[int]], max_tokens: int, eos_token_ids: Sequence[int]):
-        self.rows = list(range(len(prompts)))
+    def __init__(self, prompts: Sequence[Sequence[int]], max_tokens: int, eos_token_ids: Sequence[int], rows=None):
+        self.rows = list(range(len(prompts))) if rows is None else list(rows)
         self.context = [list(p) for p in prompts]
         self.produced = [0] * len(prompts)
         self.max_tokens = max_tokens

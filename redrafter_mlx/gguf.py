@@ -383,12 +383,11 @@ def load_gguf(path: str, dtype: str | None = None, quantize_bits: int | None = N
     return model, tokenizer
 
 
-def byte_level_bpe(meta: dict):
+def byte_level_bpe(meta: dict, tokens: list):
     """GPT-2 style byte-level BPE (tokenizer.ggml.model "gpt2"): the file's
     tokens are already in the byte-to-unicode alphabet and its merges ranked."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
-    tokens = meta["tokenizer.ggml.tokens"]
     merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
     tok = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges))
     pre = meta.get("tokenizer.ggml.pre", "default")
@@ -408,27 +407,26 @@ def byte_level_bpe(meta: dict):
     return tok
 
 
-def sentencepiece_bpe(meta: dict):
+def sentencepiece_bpe(meta: dict, tokens: list, types: list, prefix: bool):
     """SentencePiece BPE (tokenizer.ggml.model "llama") as a HF BPE with byte
-    fallback. The file has no merges: they are rebuilt from the vocabulary,
-    ranked by token position, which is SentencePiece's merge order (scores of
-    user-defined tokens are placeholders, and Gemma's do not follow it)."""
+    fallback; prefix: text starts with a space ("▁"). The file has no merges:
+    they are rebuilt from the vocabulary, ranked by token position, which is
+    SentencePiece's merge order (user-defined tokens carry placeholder scores,
+    and Gemma's scores do not follow that order)."""
     from tokenizers import Tokenizer, decoders, models, normalizers
 
-    tokens, types = meta["tokenizer.ggml.tokens"], meta["tokenizer.ggml.token_type"]
     # llama.cpp writes the whitespace-run tokens with spaces; the model text has "▁".
     pieces = ["\u2581" * len(t) if t and set(t) == {" "} else t for t in tokens]
     vocab = {p: i for i, p in reversed(list(enumerate(pieces)))}
-    merges = []  # (rank, -len(left), left, right)
+    merges = []  # (rank, -len(left), left, right): ties go to the longer left part
     for rank, (piece, kind) in enumerate(zip(pieces, types)):
         if kind in (NORMAL, USER_DEFINED):
             merges += [(rank, -k, piece[:k], piece[k:]) for k in range(1, len(piece))
                        if piece[:k] in vocab and piece[k:] in vocab]  # fmt: skip
     merges.sort()
     unk = tokens[meta.get("tokenizer.ggml.unknown_token_id", 0)]
-    model = models.BPE(vocab, [(l, r) for _, _, l, r in merges], unk_token=unk, fuse_unk=True, byte_fallback=True)
-    tok = Tokenizer(model)
-    prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
+    pairs = [(left, right) for _, _, left, right in merges]
+    tok = Tokenizer(models.BPE(vocab, pairs, unk_token=unk, fuse_unk=True, byte_fallback=True))
     replace = normalizers.Replace(" ", "\u2581")
     tok.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), replace]) if prefix else replace
     steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
@@ -443,19 +441,19 @@ def gguf_tokenizer(meta: dict):
     from transformers import PreTrainedTokenizerFast
     from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, SPMStreamingDetokenizer, TokenizerWrapper
 
-    kind = meta.get("tokenizer.ggml.model")
     if "tokenizer.ggml.tokens" not in meta:
         raise UserError("the GGUF file has no tokenizer (tokenizer.ggml.tokens)")
-    if kind == "gpt2":
-        tok, detokenizer = byte_level_bpe(meta), BPEStreamingDetokenizer
-    elif kind == "llama":
-        tok = sentencepiece_bpe(meta)
-        trim = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
-        detokenizer = partial(SPMStreamingDetokenizer, trim_space=trim)
-    else:
-        raise UserError(f"unsupported GGUF tokenizer {kind!r} (supported: gpt2, llama)")
     tokens = meta["tokenizer.ggml.tokens"]
     types = meta.get("tokenizer.ggml.token_type", [NORMAL] * len(tokens))
+    kind = meta.get("tokenizer.ggml.model")
+    if kind == "gpt2":
+        tok, detokenizer = byte_level_bpe(meta, tokens), BPEStreamingDetokenizer
+    elif kind == "llama":
+        prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))  # llama.cpp's default
+        tok = sentencepiece_bpe(meta, tokens, types, prefix)
+        detokenizer = partial(SPMStreamingDetokenizer, trim_space=prefix)
+    else:
+        raise UserError(f"unsupported GGUF tokenizer {kind!r} (supported: gpt2, llama)")
     vocab = tok.get_vocab()
     # llama.cpp matches control and user-defined tokens whole before BPE.
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False)

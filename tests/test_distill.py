@@ -8,7 +8,7 @@ import pytest
 from conftest import tiny_model
 
 from redrafter_mlx.base_model import BaseModel
-from redrafter_mlx.distill import DataFolder, batch_generator, distill
+from redrafter_mlx.distill import DataFolder, distill, response_stream
 from redrafter_mlx.generate import greedy
 from redrafter_mlx.prompts import read_prompts
 from redrafter_mlx.errors import UserError
@@ -26,11 +26,12 @@ def base():
 
 
 def generator(base, max_tokens=20, eos=(7,)):
-    return batch_generator(base, max_tokens, greedy, eos)
+    return response_stream(base, max_tokens, greedy, eos)
 
 
-def run(base, folder, prompts=PROMPTS, batch_size=3, **kwargs):
-    return distill(base, tokenize, prompts, DataFolder(folder), {"max_tokens": 20}, generator(base, **kwargs), batch_size, progress=False)
+def run(base, folder, prompts=PROMPTS, batch_size=3, generate=None):
+    generate = generate or generator(base)
+    return distill(base, tokenize, prompts, DataFolder(folder), {"max_tokens": 20}, generate, batch_size, shard_size=3, progress=False)
 
 
 def sequences_by_prompt(folder):
@@ -46,25 +47,25 @@ def test_batched_output_equals_single_prompt_generation_and_is_deterministic(bas
     assert sorted(batched) == list(range(len(PROMPTS)))
     generate = generator(base)
     for i, prompt in enumerate(PROMPTS):
-        alone = tokenize(prompt) + generate([tokenize(prompt)])[0][0]
-        assert batched[i] == alone
+        ((_, response, hidden),) = generate([tokenize(prompt)], 1)
+        assert batched[i] == tokenize(prompt) + response
+        assert hidden.shape == (len(response), 64)
     lengths = {len(s) - len(tokenize(PROMPTS[i])) for i, s in batched.items()}
     assert len(lengths) > 1  # rows stopped at EOS at different points
 
 
 def test_interrupted_run_resumes_without_redoing_prompts(base, tmp_path):
-    calls = []
     generate = generator(base)
 
-    def failing(batch):
-        if len(calls) == 1:
-            raise KeyboardInterrupt
-        calls.append(len(batch))
-        return generate(batch)
+    def interrupted(prompts, batch_size):
+        for count, result in enumerate(generate(prompts, batch_size)):
+            if count == 4:
+                raise KeyboardInterrupt
+            yield result
 
     with pytest.raises(KeyboardInterrupt):
-        distill(base, tokenize, PROMPTS, DataFolder(tmp_path / "d"), {"max_tokens": 20}, failing, 3, progress=False)
-    assert len(DataFolder(tmp_path / "d").shards()) == 1
+        run(base, tmp_path / "d", generate=interrupted)
+    assert len(DataFolder(tmp_path / "d").shards()) == 1  # 3 of the 4 finished were flushed
     totals = run(base, tmp_path / "d")
     assert totals["new_prompts"] == len(PROMPTS) - 3
     run(base, tmp_path / "full")
