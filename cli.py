@@ -41,6 +41,11 @@ def _sampling(temp, top_p, top_k, min_p, repetition_penalty, seed):
     return make_chooser(settings)
 
 
+MODEL = typer.Option(None, "--model", "-m", help=MODEL_HELP)
+DRAFTER = typer.Option(None, "--drafter", "-d", help=DRAFTER_HELP)
+DTYPE = typer.Option(None, "--dtype", help=DTYPE_HELP)
+BEAM_WIDTH = typer.Option(4, "--beam-width", help="Beams drafted per step.")
+BEAM_LENGTH = typer.Option(5, "--beam-length", help="Tokens per beam, counting the last verified token (so beam_length - 1 drafted).")
 TEMP = typer.Option(0.0, "--temp", help="Sampling temperature; 0 is greedy.")
 TOP_P = typer.Option(1.0, "--top-p", help="Nucleus sampling: keep the most likely tokens up to this probability mass; 1 keeps all.")
 TOP_K = typer.Option(0, "--top-k", help="Keep only the k most likely tokens; 0 keeps all.")
@@ -60,8 +65,8 @@ def generate(
     prompt: str = typer.Option("hello", "--prompt", "-p", help="Message for the model; '-' reads it from stdin."),
     prompts_file: Optional[str] = typer.Option(None, "--prompts", help="JSONL file with a \"prompt\" per line: generate for each (batched), printing one JSON object per line in input order."),
     batch_size: int = typer.Option(1, "--batch-size", "-b", help="With --prompts: prompts generated together."),
-    model: Optional[str] = typer.Option(None, "--model", "-m", help=MODEL_HELP),
-    drafter: Optional[str] = typer.Option(None, "--drafter", "-d", help=DRAFTER_HELP),
+    model: Optional[str] = MODEL,
+    drafter: Optional[str] = DRAFTER,
     max_tokens: int = typer.Option(256, "--max-tokens", "-n", help="Maximum number of tokens to generate."),
     temp: float = TEMP,
     top_p: float = TOP_P,
@@ -69,10 +74,10 @@ def generate(
     min_p: float = MIN_P,
     repetition_penalty: Optional[float] = REPETITION_PENALTY,
     seed: int = SEED,
-    beam_width: int = typer.Option(4, "--beam-width", help="Beams drafted per step."),
-    beam_length: int = typer.Option(5, "--beam-length", help="Tokens per beam, counting the last verified token (so beam_length - 1 drafted)."),
+    beam_width: int = BEAM_WIDTH,
+    beam_length: int = BEAM_LENGTH,
     ignore_chat_template: bool = typer.Option(False, "--ignore-chat-template", help="Encode the prompt as it is, without the chat template."),
-    dtype: Optional[str] = typer.Option(None, "--dtype", help=DTYPE_HELP),
+    dtype: Optional[str] = DTYPE,
     quantize: Optional[int] = typer.Option(None, "--quantize", help="Re-quantize the base model to this many bits."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object with the text, tokens and speed figures instead of streaming text."),
 ):
@@ -130,8 +135,8 @@ def _summary(text, tokens, prompt_tokens, steps, step_tokens, generation_tps, fi
 
 @app.command()
 def chat(
-    model: Optional[str] = typer.Option(None, "--model", "-m", help=MODEL_HELP),
-    drafter: Optional[str] = typer.Option(None, "--drafter", "-d", help=DRAFTER_HELP),
+    model: Optional[str] = MODEL,
+    drafter: Optional[str] = DRAFTER,
     max_tokens: int = typer.Option(512, "--max-tokens", "-n", help="Maximum tokens per answer."),
     temp: float = TEMP,
     top_p: float = TOP_P,
@@ -139,10 +144,10 @@ def chat(
     min_p: float = MIN_P,
     repetition_penalty: Optional[float] = REPETITION_PENALTY,
     seed: int = SEED,
-    beam_width: int = typer.Option(4, "--beam-width", help="Beams drafted per step."),
-    beam_length: int = typer.Option(5, "--beam-length", help="Tokens per beam, counting the last verified token."),
+    beam_width: int = BEAM_WIDTH,
+    beam_length: int = BEAM_LENGTH,
     system_prompt: Optional[str] = typer.Option(None, "--system-prompt", help="System message at the start of the conversation."),
-    dtype: Optional[str] = typer.Option(None, "--dtype", help=DTYPE_HELP),
+    dtype: Optional[str] = DTYPE,
 ):
     """Chat with the model; answers stream as ReDrafter accepts them."""
     from redrafter_mlx.chat import chat_loop
@@ -169,8 +174,8 @@ def _int_list(text: str, name: str) -> list:
 
 @app.command()
 def bench(
-    model: Optional[str] = typer.Option(None, "--model", "-m", help=MODEL_HELP),
-    drafter: Optional[str] = typer.Option(None, "--drafter", "-d", help=DRAFTER_HELP),
+    model: Optional[str] = MODEL,
+    drafter: Optional[str] = DRAFTER,
     prompts_file: Optional[str] = typer.Option(None, "--prompts", help="JSONL file with a \"prompt\" per line; default: 8 built-in prompts."),
     num_prompts: int = typer.Option(8, "--num-prompts", help="Use the first N prompts."),
     max_tokens: int = typer.Option(128, "--max-tokens", "-n", help="Tokens generated per prompt."),
@@ -183,7 +188,7 @@ def bench(
     repeats: int = typer.Option(1, "--repeats", help="Times each prompt batch is measured."),
     json_out: Optional[str] = typer.Option(None, "--json", help="Write all results, machine, mlx version and settings to this JSON file."),
     plot_out: Optional[str] = typer.Option(None, "--plot", help="Draw a heat map of speed-up over beam width x length to this PNG (needs matplotlib)."),
-    dtype: Optional[str] = typer.Option(None, "--dtype", help=DTYPE_HELP),
+    dtype: Optional[str] = DTYPE,
 ):
     """Measure autoregressive decoding against ReDrafter on the same prompts."""
     from tqdm import tqdm
@@ -237,14 +242,14 @@ def bench(
 def distill(
     prompts: str = typer.Option(..., "--prompts", help="JSONL file with a \"prompt\" field per line (the chat template is applied)."),
     output: str = typer.Option(..., "--output", "-o", help="Data folder to create, or to resume."),
-    model: Optional[str] = typer.Option(None, "--model", "-m", help=MODEL_HELP),
+    model: Optional[str] = MODEL,
     max_tokens: int = typer.Option(256, "--max-tokens", "-n", help="Maximum response tokens per prompt."),
     temp: float = TEMP,
     top_p: float = TOP_P,
     seed: int = SEED,
     batch_size: int = typer.Option(64, "--batch-size", "-b", help="Prompts generated together; finished ones are replaced by waiting ones."),
     limit: Optional[int] = typer.Option(None, "--limit", help="Use only the first N prompts."),
-    dtype: Optional[str] = typer.Option(None, "--dtype", help=DTYPE_HELP),
+    dtype: Optional[str] = DTYPE,
 ):
     """Generate distillation data: the base model's own responses to prompts."""
     from redrafter_mlx.api import encode_prompt
@@ -289,7 +294,7 @@ def train(
     eval_every: int = typer.Option(250, "--eval-every", help="Evaluate on held-out sequences every N steps."),
     save_every: int = typer.Option(250, "--save-every", help="Write a resumable checkpoint every N steps."),
     seed: int = typer.Option(0, "--seed", help="Initialisation and data-order seed."),
-    dtype: Optional[str] = typer.Option(None, "--dtype", help=DTYPE_HELP),
+    dtype: Optional[str] = DTYPE,
 ):
     """Train a drafter on distilled data."""
     from pathlib import Path

@@ -18,6 +18,7 @@ from typing import Optional
 import mlx.core as mx
 import numpy as np
 
+from redrafter_mlx.drafter import read_config
 from redrafter_mlx.errors import UserError
 
 CONFIG_FILE = "config.json"
@@ -78,13 +79,7 @@ def read_checkpoint(path: str) -> Checkpoint:
 def _read_folder(folder: Path, checkpoint: Checkpoint) -> None:
     config_path = folder / CONFIG_FILE
     if config_path.is_file():
-        try:
-            config = json.loads(config_path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise UserError(f"{config_path} is not valid JSON: {e}") from None
-        if not isinstance(config, dict):
-            raise UserError(f"{config_path} must hold a JSON object")
-        checkpoint.config = config
+        checkpoint.config = read_config(config_path)
 
     for index in (SAFETENSORS_INDEX, TORCH_INDEX):
         if (folder / index).is_file():

@@ -128,6 +128,17 @@ def check_compatible(args: DrafterArgs, hidden_size: int, vocab_size: int) -> No
         )
 
 
+def read_config(path: Path) -> dict:
+    """A drafter's config.json as a dict, or one clear error."""
+    try:
+        config = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise UserError(f"{path} must hold a JSON object")
+    return config
+
+
 def load_drafter(path: str, dtype: Optional[mx.Dtype] = None) -> Drafter:
     """Load a drafter folder (``config.json`` + ``model.safetensors``)."""
     folder = Path(path)
@@ -136,12 +147,7 @@ def load_drafter(path: str, dtype: Optional[mx.Dtype] = None) -> Drafter:
         raise UserError(f"drafter folder not found: {path}")
     if not config_path.is_file() or not weights_path.is_file():
         raise UserError(f"drafter folder {path} needs {CONFIG_FILE} and {WEIGHTS_FILE}")
-    try:
-        config = json.loads(config_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise UserError(f"drafter {config_path} is not valid JSON: {e}") from None
-    if not isinstance(config, dict):
-        raise UserError(f"drafter {config_path} must hold a JSON object")
+    config = read_config(config_path)
     drafter = Drafter(DrafterArgs.from_dict(config))
     quantization = config.get("quantization")
     if quantization:  # only the vocab projection is ever quantized

@@ -204,13 +204,16 @@ class FrequencyRoPE(nn.Module):
         )
 
 
+REQUIRED = object()
+
+
 def model_config(arch: str, meta: dict, tensors: dict) -> dict:
     """mlx-lm ModelArgs fields from the GGUF metadata (extra keys are ignored
     by ModelArgs.from_dict)."""
 
-    def get(key, default=KeyError):
+    def get(key, default=REQUIRED):
         value = meta.get(f"{arch}.{key}", default)
-        if value is KeyError:
+        if value is REQUIRED:
             raise UserError(f"GGUF metadata lacks {arch}.{key}")
         return value
 
@@ -341,7 +344,7 @@ def load_gguf(path: str, dtype: str | None = None, quantize_bits: int | None = N
         raise UserError(f"{path} has no token_embd.weight tensor")
     try:
         config = model_config(arch, meta, tensors)
-    except (TypeError, ValueError) as e:
+    except (TypeError, ValueError, ArithmeticError) as e:
         raise UserError(f"{path}: malformed model metadata ({e})") from None
     try:
         tokenizer = gguf_tokenizer(meta)
@@ -437,9 +440,9 @@ def sentencepiece_bpe(meta: dict, tokens: list, types: list, prefix: bool):
 def gguf_tokenizer(meta: dict):
     """The tokenizer described by the file's tokenizer.* metadata, as an mlx-lm
     TokenizerWrapper around a transformers PreTrainedTokenizerFast."""
+    from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, SPMStreamingDetokenizer, TokenizerWrapper
     from tokenizers import AddedToken, processors
     from transformers import PreTrainedTokenizerFast
-    from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, SPMStreamingDetokenizer, TokenizerWrapper
 
     if "tokenizer.ggml.tokens" not in meta:
         raise UserError("the GGUF file has no tokenizer (tokenizer.ggml.tokens)")

@@ -52,7 +52,6 @@ def smol_f32(smol_path):
 def transformers_dir(smol_path):
     """(directory, file name) for transformers' own GGUF loading."""
     pytest.importorskip("transformers")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     return os.path.dirname(smol_path), os.path.basename(smol_path)
 
 

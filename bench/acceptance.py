@@ -1,0 +1,70 @@
+"""Mean tokens per step (accepted drafts + bonus) of ReDrafter over a
+prompts file, per beam shape. Tokens per step does not depend on timing, so
+prompts run in batches; results are written after each shape, and shapes
+already in the output file are skipped (rerun the same command to resume).
+
+    python bench/acceptance.py --drafter DRAFTER --prompts ../shared/data/prompts/dev.jsonl \\
+        --shapes 1x5,2x5,4x5,8x5 --max-tokens 256 --out bench/results/acceptance.json
+"""
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import redrafter_mlx
+from redrafter_mlx.api import encode_prompt
+from redrafter_mlx.generate import generate_steps
+from redrafter_mlx.prompts import read_prompts
+
+
+def measure(redrafter, prompts, width, length, max_tokens, batch_size, choose, eos):
+    steps, step_tokens, generated = 0, 0, 0
+    histogram = [0] * length
+    for start in range(0, len(prompts), batch_size):
+        batch = prompts[start : start + batch_size]
+        for outputs in generate_steps(redrafter, batch, max_tokens=max_tokens, beam_width=width, beam_length=length, choose=choose, eos_token_ids=eos):
+            for out in outputs:
+                generated += len(out.tokens)
+                if out.num_accepted is not None:
+                    steps += 1
+                    step_tokens += out.num_accepted + 1
+                    histogram[out.num_accepted] += 1
+    return {"steps": steps, "tokens_per_step": step_tokens / steps, "generated_tokens": generated, "accepted_histogram": histogram}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--drafter", default=None)
+    parser.add_argument("--prompts", required=True)
+    parser.add_argument("--num-prompts", type=int, default=None)
+    parser.add_argument("--shapes", default="1x5,2x5,4x5,8x5")
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--temp", type=float, default=0.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+
+    out = Path(args.out)
+    results = json.loads(out.read_text()) if out.exists() else {"settings": vars(args), "shapes": {}}
+    redrafter, tokenizer = redrafter_mlx.load(args.model, args.drafter)
+    texts = read_prompts(args.prompts)[: args.num_prompts]
+    prompts = [encode_prompt(tokenizer, t) for t in texts]
+    choose = redrafter_mlx.make_chooser(redrafter_mlx.SamplingSettings(temp=args.temp, seed=args.seed))
+    for shape in args.shapes.split(","):
+        if shape in results["shapes"]:
+            continue
+        width, length = map(int, shape.split("x"))
+        tic = time.perf_counter()
+        result = measure(redrafter, prompts, width, length, args.max_tokens, args.batch_size, choose, tokenizer.eos_token_ids)
+        result.update(prompts=len(prompts), seconds=round(time.perf_counter() - tic))
+        results["shapes"][shape] = result
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(results, indent=2) + "\n")
+        print(shape, json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()
