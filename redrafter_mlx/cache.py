@@ -210,7 +210,9 @@ class TreeRoPE(nn.Module):
 
 
 def is_rope(module: nn.Module) -> bool:
-    return isinstance(module, nn.RoPE) or type(module).__module__.endswith("rope_utils")
+    """nn.RoPE, mlx-lm's variants (Llama3RoPE, YarnRoPE, SuScaledRoPE, ...)
+    and any other module named like one; all take ``(x, offset=...)``."""
+    return isinstance(module, nn.RoPE) or "rope" in type(module).__name__.lower()
 
 
 def install_tree_rope(model: nn.Module) -> int:
@@ -218,7 +220,9 @@ def install_tree_rope(model: nn.Module) -> int:
     count = 0
     for _, parent in model.named_modules():
         for name, child in list(parent.items()):
-            if isinstance(child, nn.Module) and not isinstance(parent, TreeRoPE) and is_rope(child):
+            if isinstance(child, TreeRoPE):  # installed before
+                count += 1
+            elif isinstance(child, nn.Module) and not isinstance(parent, TreeRoPE) and is_rope(child):
                 parent[name] = TreeRoPE(child)
                 count += 1
     return count

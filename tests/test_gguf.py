@@ -269,6 +269,27 @@ def test_rope_freqs_scale_positions(tmp_path):
     assert np.allclose(np.array(model(tokens)), np.array(scaled(tokens)), atol=1e-4)
 
 
+def test_redrafter_parity_with_rope_freqs(tmp_path):
+    """Tree verification gives tree tokens their positions through the GGUF
+    loader's own RoPE module too."""
+    from conftest import OracleDrafter
+    from test_generate import mlx_lm_greedy, run
+
+    from redrafter_mlx.base_model import BaseModel
+    from redrafter_mlx.generate import ReDrafter
+
+    mx.random.seed(0)
+    source = llama.Model(llama.ModelArgs(model_type="llama", **TINY))
+    head_dim = TINY["hidden_size"] // TINY["num_attention_heads"]
+    freqs = np.linspace(1.0, 8.0, head_dim // 2).astype(np.float32)
+    write_gguf(tmp_path / "tiny.gguf", "llama", source, rope_freqs=freqs)
+    base = BaseModel(load_gguf(str(tmp_path / "tiny.gguf"), dtype="float32")[0])
+    prompt = [1, 50, 200, 7, 99, 3]
+    reference = mlx_lm_greedy(base.model, prompt, 48)
+    (tokens,), accepted = run(ReDrafter(base, OracleDrafter(base, [prompt + reference], corrupt=4)), [prompt], max_tokens=40, beam_width=3, beam_length=4)
+    assert tokens == reference[:40] and max(accepted) == 3
+
+
 def test_tiny_q4_0_stays_quantized(tmp_path):
     mx.random.seed(0)
     source = llama.Model(llama.ModelArgs(model_type="llama", **TINY))
