@@ -53,10 +53,10 @@ def autoregressive_steps(
 
         keep = tracker.keep_unfinished(outputs)
         if keep is not None and keep:
-            layout.filter(keep)
+            trim = layout.filter(keep)
             keep = mx.array(keep)
             for c in cache:
-                c.filter(keep)
+                c.filter(keep, trim)
             token = token[keep]
         if tracker.rows:
             layout.begin_chunk()

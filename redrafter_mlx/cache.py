@@ -105,10 +105,15 @@ class CacheLayout:
             visible = visible & (query_pos - key_pos < window_size)
         return visible[:, None]
 
-    def filter(self, rows: list[int]) -> None:
-        """Keep only these rows (finished rows leave the batch)."""
+    def filter(self, rows: list[int]) -> int:
+        """Keep only these rows (finished rows leave the batch), then drop the
+        padding columns that every remaining row has; returns how many."""
         self.left_padding = self.left_padding[rows]
         self.lengths = self.lengths[rows]
+        trim = int(self.left_padding.min())
+        self.left_padding -= trim
+        self.lengths -= trim
+        return trim
 
     def extend(self, other: "CacheLayout") -> tuple[int, int]:
         """Append the rows of another aligned layout (new prompts joining a
@@ -171,8 +176,9 @@ class TreeKVCache:
             moved = mx.take_along_axis(buffer, mx.broadcast_to(source, shape), axis=2)
             setattr(self, name, mx.put_along_axis(buffer, mx.broadcast_to(target, shape), moved, axis=2))
 
-    def filter(self, rows: mx.array) -> None:
-        self.keys, self.values = self.keys[rows], self.values[rows]
+    def filter(self, rows: mx.array, trim: int) -> None:
+        """Keep ``rows``, without their first ``trim`` (padding) positions."""
+        self.keys, self.values = self.keys[rows, :, trim:], self.values[rows, :, trim:]
 
     def extend(self, other: "TreeKVCache", length: int, other_length: int, pad: int, other_pad: int) -> None:
         """Append another cache's rows, each side holding ``length`` /

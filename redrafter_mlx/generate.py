@@ -222,10 +222,10 @@ def generate_steps(
         if keep is not None:
             if not keep:
                 return
-            layout.filter(keep)
+            trim = layout.filter(keep)
             keep = mx.array(keep)
             for c in cache:
-                c.filter(keep)
+                c.filter(keep, trim)
             beams, tree = beams[keep], _filter_tree(tree, keep)
         tree = tree.truncate(int(np.array(tree.num_nodes).max()))
 
