@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# How the shipped drafter for SmolLM2-135M-Instruct is made and measured, on a
+# 2-core Linux CPU (float32, OpenBLAS). Every step resumes when rerun.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PROMPTS=../shared/data/prompts
+DATA=data/distill-smollm2-135m
+RUN=runs/smollm2-135m-drafter
+SHIPPED=redrafter_mlx/drafters/smollm2-135m-instruct
+
+# 1. The base model's greedy responses to the training prompts (~80 min here).
+redrafter-mlx distill --prompts $PROMPTS/train.jsonl --output $DATA --batch-size 64 --max-tokens 256
+
+# 2. Train (hidden states come from distill's cache, else are recomputed).
+redrafter-mlx train --data $DATA --output $RUN --steps 3000 --batch-size 512 --learning-rate 2e-3 \
+    --warmup 150 --exit-dim 512 --num-draft-layers 1 --draft-vocab 4096 --eval-every 500 --save-every 250
+
+# 3. Ship it in float16.
+python3 - <<PY
+import redrafter_mlx, mlx.core as mx
+from redrafter_mlx.drafter import load_drafter, read_config, save_drafter
+from pathlib import Path
+drafter = load_drafter("$RUN")
+drafter.set_dtype(mx.float16, predicate=lambda k: k != "draft_token_ids")
+config = read_config(Path("$RUN") / "config.json")
+save_drafter(drafter, "$SHIPPED", {"training": config.get("training", {})})
+PY
+
+# 4. Tokens per step on the dev prompts, 256 new tokens, greedy and sampled.
+python3 bench/acceptance.py --drafter $SHIPPED --prompts $PROMPTS/dev.jsonl --shapes 1x5,2x5,4x5,8x5 --out bench/results/acceptance-greedy.json
+python3 bench/acceptance.py --drafter $SHIPPED --prompts $PROMPTS/dev.jsonl --shapes 4x5 --temp 0.7 --out bench/results/acceptance-temp0.7.json
+python3 bench/acceptance.py --drafter $SHIPPED --prompts $PROMPTS/dev.jsonl --shapes 4x5 --temp 1.0 --out bench/results/acceptance-temp1.0.json
+
+# 5. Speed against autoregressive decoding, batch 1, 4 and 8.
+for B in 1 4 8; do
+    redrafter-mlx bench --prompts $PROMPTS/dev.jsonl --num-prompts 16 --max-tokens 128 --beam-widths 1,2,4 \
+        --beam-lengths 3,5 --batch-size $B --json bench/results/bench-batch$B.json --plot bench/results/bench-batch$B.png
+done
