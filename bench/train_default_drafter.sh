@@ -21,7 +21,7 @@ import redrafter_mlx, mlx.core as mx
 from redrafter_mlx.drafter import load_drafter, read_config, save_drafter
 from pathlib import Path
 drafter = load_drafter("$RUN")
-drafter.set_dtype(mx.float16, predicate=lambda k: k != "draft_token_ids")
+drafter.set_dtype(mx.float16)  # floating arrays only: token ids stay int32
 config = read_config(Path("$RUN") / "config.json")
 save_drafter(drafter, "$SHIPPED", {"training": config.get("training", {})})
 PY

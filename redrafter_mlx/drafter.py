@@ -162,6 +162,8 @@ def load_drafter(path: str, dtype: Optional[mx.Dtype] = None) -> Drafter:
         drafter.load_weights(list(weights.items()), strict=True)
     except ValueError as e:
         raise UserError(f"drafter weights {weights_path} do not match its config: {e}") from None
+    if "draft_token_ids" in weights and not mx.issubdtype(weights["draft_token_ids"].dtype, mx.integer):
+        raise UserError(f"drafter weights {weights_path}: draft_token_ids must be integers")
     if dtype is not None:
         drafter.set_dtype(dtype)
     mx.eval(drafter.parameters())

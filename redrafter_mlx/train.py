@@ -222,7 +222,7 @@ class Trainer:
             self.to_draft = np.full(base.vocab_size, -1, np.int32)
             self.to_draft[draft_token_ids] = np.arange(len(draft_token_ids), dtype=np.int32)
         if config.dtype == "bfloat16":
-            self.drafter.set_dtype(mx.bfloat16, predicate=lambda k: k != "draft_token_ids")
+            self.drafter.set_dtype(mx.bfloat16)  # floating arrays only: token ids stay int32
         if draft_token_ids is not None:
             self.drafter.freeze(keys=["draft_token_ids"], strict=False)
         schedule = optim.join_schedules(
