@@ -28,12 +28,13 @@ class Stats:
 
 
 def answer(redrafter, tokenizer, messages: list, max_tokens: int, write, **generation) -> tuple[str, Stats, bool]:
-    """Stream one answer; returns (text, stats, interrupted)."""
-    prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
+    """Stream one answer; returns (text, stats, interrupted). Ctrl-C at any
+    point, prompt processing included, ends the answer where it stands."""
     text, stats, interrupted = "", Stats(), False
     tic = time.perf_counter()
     try:
+        prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
         for response in stream_generate(redrafter, tokenizer, prompt_ids, max_tokens, **generation):
             write(response.text)
             text += response.text

@@ -9,10 +9,11 @@ pexpect = pytest.importorskip("pexpect")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_chat_session(smol_drafter):
+def test_chat_session():
+    """No arguments: the embedded default model and its shipped drafter."""
     env = dict(os.environ, PYTHONPATH=ROOT)
     child = pexpect.spawn(
-        sys.executable, ["-m", "redrafter_mlx.cli", "chat", "--drafter", smol_drafter, "--max-tokens", "300"],
+        sys.executable, ["-m", "redrafter_mlx.cli", "chat"],
         cwd=ROOT, env=env, encoding="utf-8", timeout=180,
     )
     try:
@@ -28,6 +29,7 @@ def test_chat_session(smol_drafter):
 
         # Ctrl-C during a long answer stops it and keeps the chat going.
         child.sendline("Write a very long story about a dragon and a knight, with many chapters.")
+        child.expect("chapters.\r\n")  # the terminal's echo of the question
         child.expect(r"\w+ \w+ \w+")  # the answer is streaming
         child.sendcontrol("c")
         child.expect(r"\[stopped\]")

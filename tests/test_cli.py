@@ -46,6 +46,27 @@ def test_generate_json_fields_and_greedy_parity_with_mlx_lm(smol_drafter):
     assert out["tokens"] == expected
 
 
+def test_default_drafter_speeds_up_without_changing_greedy_output():
+    """No --model, no --drafter: the shipped drafter accepts drafted tokens,
+    and the output is still mlx-lm's greedy output."""
+    question = "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many clips did Natalia sell altogether in April and May?"
+    result = run_cli("generate", "--prompt", question, "--max-tokens", 48, "--json")
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout)
+    assert out["tokens_per_step"] > 1.2
+
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+
+    from redrafter_mlx.loading import load_base_model
+
+    model, tokenizer = load_base_model(None)
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True)
+    ids = tokenizer.encode(prompt, add_special_tokens=False)
+    expected = [t for t, _ in zip((token for token, _ in generate_step(mx.array(ids), model, max_tokens=48)), range(48))]
+    assert out["tokens"] == expected[: len(out["tokens"])] and len(out["tokens"]) == 48
+
+
 def test_ignore_chat_template_encodes_like_mlx_lm(smol_drafter):
     result = run_cli("generate", "--drafter", smol_drafter, "--prompt", "Once upon a time", "--max-tokens", 4, "--ignore-chat-template", "--json")
     assert result.returncode == 0, result.stderr
