@@ -285,6 +285,7 @@ def train(
     warmup: int = typer.Option(100, "--warmup", help="Warm-up steps."),
     weight_decay: float = typer.Option(0.0, "--weight-decay", help="AdamW weight decay."),
     grad_clip: float = typer.Option(1.0, "--grad-clip", help="Clip the gradient's global norm to this."),
+    hidden_dropout: float = typer.Option(0.0, "--hidden-dropout", help="Dropout on the base model's hidden state while training (against memorising it)."),
     depth: int = typer.Option(5, "--depth", help="T: tokens drafted per position during training (teacher forcing)."),
     exit_dim: int = typer.Option(1024, "--exit-dim", help="Width of the drafter's residual blocks."),
     num_draft_layers: int = typer.Option(1, "--num-draft-layers", help="Residual blocks before the vocab projection."),
@@ -306,6 +307,8 @@ def train(
 
     if drafter_dtype not in ("float32", "bfloat16"):
         fail("--drafter-dtype must be float32 or bfloat16")
+    if not 0 <= hidden_dropout < 1:
+        fail("--hidden-dropout must be in [0, 1)")
     if min(steps, batch_size, depth, exit_dim, eval_every, save_every) < 1 or warmup < 0 or num_draft_layers < 0 or draft_vocab < 0:
         fail("--steps, --batch-size, --depth, --exit-dim, --eval-every and --save-every must be positive")
     out = Path(output)
@@ -314,7 +317,7 @@ def train(
     config = TrainConfig(
         depth=depth, exit_dim=exit_dim, num_draft_layers=num_draft_layers, rnn=rnn, draft_vocab=draft_vocab,
         dtype=drafter_dtype, steps=steps, batch_size=batch_size, learning_rate=learning_rate, warmup=warmup,
-        weight_decay=weight_decay, grad_clip=grad_clip, eval_every=eval_every, save_every=save_every, seed=seed,
+        weight_decay=weight_decay, grad_clip=grad_clip, hidden_dropout=hidden_dropout, eval_every=eval_every, save_every=save_every, seed=seed,
     )
     folder = DataFolder(data)
     if folder.meta is None:

@@ -50,6 +50,7 @@ class TrainConfig:
     learning_rate: float = 1e-3
     warmup: int = 100
     weight_decay: float = 0.0
+    hidden_dropout: float = 0.0  # dropout on h while training: the drafter memorises h otherwise
     grad_clip: float = 1.0
     eval_every: int = 250
     save_every: int = 250
@@ -239,7 +240,11 @@ class Trainer:
     def _make_train_step(self):
         loss_and_grad = nn.value_and_grad(self.drafter, self._loss)
 
-        def train_step(hidden, tokens, targets):
+        keep = 1.0 - self.config.hidden_dropout
+
+        def train_step(hidden, tokens, targets, key):
+            if keep < 1.0:
+                hidden = hidden * mx.random.bernoulli(keep, hidden.shape, key=key) / keep
             (loss, correct, counted), grads = loss_and_grad(hidden, tokens, targets)
             grads, _ = optim.clip_grad_norm(grads, self.config.grad_clip)
             self.optimizer.update(self.drafter, grads)
@@ -267,7 +272,9 @@ class Trainer:
     def train_step(self) -> float:
         if self._compiled_step is None:
             self._compiled_step = self._make_train_step()
-        loss = self._compiled_step(*self.batch(self.rows_for_step(self.step)))
+        # The dropout key is a function of the step, so a resumed run draws the same masks.
+        key = mx.random.key(self.config.seed * 1_000_003 + self.step)
+        loss = self._compiled_step(*self.batch(self.rows_for_step(self.step)), key)
         mx.eval(loss, self.drafter.parameters(), self.optimizer.state)
         self.step += 1
         return loss.item()

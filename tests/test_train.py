@@ -110,7 +110,7 @@ def test_training_learns_a_pattern_at_every_depth(setup, tmp_path, draft_vocab):
 
 
 def test_resuming_from_a_checkpoint_continues_with_identical_loss(setup, tmp_path):
-    overrides = dict(steps=24, save_every=12, eval_every=100)
+    overrides = dict(steps=24, save_every=12, eval_every=100, hidden_dropout=0.2)
     straight = []
     train(make_trainer(setup, tmp_path / "a", **overrides), progress=False, log=lambda r: straight.append(r["loss"]))
 
