@@ -8,13 +8,15 @@ predictions of x[t+2] .. x[t+T+1]. The loss is the sum over depths of the
 mean cross-entropy at that depth. (At inference x[t+1] is the token the base
 model has just chosen, column 0 of the beams.)
 
-Hidden states are computed once by the base model, in batches of sequences,
-into a float16 memory-mapped cache in the data folder, so they are never all
-in memory and later runs reuse them.
+Hidden states come from the data folder: ``distill`` saves them beside each
+shard, and shards without them are run through the base model once, a batch
+of sequences at a time. Training reads them from a float16 memory-mapped
+file, so they are never all in memory.
 """
 
 import json
 import math
+import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -31,7 +33,7 @@ from .drafter import Drafter, DrafterArgs, load_drafter, save_drafter
 from .errors import UserError
 
 HIDDEN_FILE = "hidden.f16.npy"
-HIDDEN_PROGRESS = "hidden-progress.json"
+HIDDEN_INDEX = "hidden-index.json"  # which shards the cache was built from
 CHECKPOINT_DIR = "checkpoint"
 STATE_FILE = "trainer.json"
 OPTIMIZER_FILE = "optimizer.safetensors"
@@ -96,59 +98,62 @@ def build_positions(sequences: Sequences, depth: int, eval_fraction: float) -> P
 
 
 def compute_hidden_cache(base, folder: DataFolder, sequences: Sequences, batch_tokens: int = 8192, progress: bool = True) -> np.ndarray:
-    """h[t] for every training position, as a float16 (R, hidden) memmap in
-    the data folder. Rows come from the hidden states saved by ``distill``
-    where a shard has them, else from the base model, a batch of sequences
-    at a time; an interrupted run resumes where it stopped."""
+    """h[t] for every training position, as a float16 (R, hidden) memmap.
+
+    Each shard's hidden states live beside it (``hidden-NNNNN.npy``), saved
+    by ``distill`` or computed here by the base model for shards without
+    them, one shard at a time (an interruption loses at most one shard's
+    work). The training cache is their concatenation, rebuilt when the
+    shards change.
+    """
     from tqdm import tqdm
 
-    counts = cached_positions(sequences)
-    total = int(counts.sum())
-    path, progress_path = folder.path / HIDDEN_FILE, folder.path / HIDDEN_PROGRESS
-    identity = {"rows": total, "hidden_size": base.hidden_size, "sequences": len(sequences)}
-    state = json.loads(progress_path.read_text()) if progress_path.exists() else None
-    if state is None or state.get("identity") != identity or not path.exists():
-        state = {"identity": identity, "done": 0}
-        np.lib.format.open_memmap(path, mode="w+", dtype=np.float16, shape=(total, base.hidden_size)).flush()
-    cache = np.lib.format.open_memmap(path, mode="r+")
-    offsets = np.concatenate([[0], np.cumsum(counts)])
-    starts = np.concatenate([[0], np.cumsum(sequences.lengths)[:-1]])
-    shard_ends = np.cumsum([_shard_size(shard) for shard in folder.shards()])
-    bar = tqdm(total=len(sequences), initial=state["done"], unit="seq", desc="hidden states", disable=not progress)
-    i = state["done"]
-    while i < len(sequences):
-        shard = int(np.searchsorted(shard_ends, i, side="right"))
-        shard_end = int(shard_ends[shard])
-        saved = hidden_path(folder.shards()[shard])
-        rows = offsets[shard_end] - offsets[i]
-        if saved.exists() and i == (shard_ends[shard - 1] if shard else 0) and np.load(saved, mmap_mode="r").shape == (rows, base.hidden_size):
-            cache[offsets[i] : offsets[shard_end]] = np.load(saved)
-            j = shard_end
-        else:
-            # A batch of consecutive sequences of this shard, right-padded.
-            longest, j = 0, i
-            while j < shard_end and max(longest, sequences.lengths[j]) * (j - i + 1) <= max(batch_tokens, sequences.lengths[j]):
-                longest = max(longest, int(sequences.lengths[j]))
-                j += 1
-            batch = np.zeros((j - i, longest), np.int32)
-            for k in range(i, j):
-                batch[k - i, : sequences.lengths[k]] = sequences.tokens[starts[k] : starts[k] + sequences.lengths[k]]
-            hidden = np.array(base.backbone(mx.array(batch)).astype(mx.float16))
-            for k in range(i, j):
-                first = sequences.prompt_lengths[k] - 1
-                cache[offsets[k] : offsets[k + 1]] = hidden[k - i, first : first + counts[k]]
+    shards = folder.shards()
+    for shard in tqdm(shards, desc="hidden states", unit="shard", disable=not progress):
+        _shard_hidden(base, shard, batch_tokens)
+    sizes = [int(np.load(hidden_path(shard), mmap_mode="r").shape[0]) for shard in shards]
+    if sum(sizes) != int(cached_positions(sequences).sum()):
+        raise UserError(f"hidden states in {folder.path} do not match its shards; delete hidden-*.npy and rerun")
+    path, identity_path = folder.path / HIDDEN_FILE, folder.path / HIDDEN_INDEX
+    identity = [[shard.name, size] for shard, size in zip(shards, sizes)]
+    if not (path.exists() and identity_path.exists() and json.loads(identity_path.read_text()) == identity):
+        cache = np.lib.format.open_memmap(path, mode="w+", dtype=np.float16, shape=(sum(sizes), base.hidden_size))
+        start = 0
+        for shard, size in zip(shards, sizes):
+            cache[start : start + size] = np.load(hidden_path(shard))
+            start += size
         cache.flush()
-        state["done"] = j
-        progress_path.write_text(json.dumps(state))
-        bar.update(j - i)
-        i = j
-    bar.close()
+        del cache
+        identity_path.write_text(json.dumps(identity))
     return np.lib.format.open_memmap(path, mode="r")
 
 
-def _shard_size(shard: Path) -> int:
+def _shard_hidden(base, shard: Path, batch_tokens: int) -> None:
+    """Write ``hidden-NNNNN.npy`` for a shard that lacks it: h[t] at
+    t = P-1 .. L-2 of each sequence, in order, from batches of right-padded
+    sequences (causal attention makes the padding harmless)."""
     with np.load(shard) as data:
-        return len(data["lengths"])
+        prompt_lengths, lengths, tokens = data["prompt_lengths"], data["lengths"], data["tokens"]
+    counts = lengths - prompt_lengths
+    target = hidden_path(shard)
+    if target.exists() and np.load(target, mmap_mode="r").shape == (int(counts.sum()), base.hidden_size):
+        return
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    parts, i = [], 0
+    while i < len(lengths):
+        longest, j = 0, i
+        while j < len(lengths) and max(longest, lengths[j]) * (j - i + 1) <= max(batch_tokens, lengths[j]):
+            longest = max(longest, int(lengths[j]))
+            j += 1
+        batch = np.zeros((j - i, longest), np.int32)
+        for k in range(i, j):
+            batch[k - i, : lengths[k]] = tokens[starts[k] : starts[k] + lengths[k]]
+        hidden = np.array(base.backbone(mx.array(batch)).astype(mx.float16))
+        parts += [hidden[k - i, prompt_lengths[k] - 1 : lengths[k] - 1] for k in range(i, j)]
+        i = j
+    temporary = target.with_name("." + target.name + ".tmp.npy")
+    np.save(temporary, np.concatenate(parts))
+    os.replace(temporary, target)
 
 
 def build_draft_vocab(sequences: Sequences, size: int) -> np.ndarray:
