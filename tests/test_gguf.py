@@ -174,6 +174,26 @@ def test_gemma3_270m_generates_paris(gemma3_path, gemma3, dtype):
     assert generate(model, tokenizer, prompt, max_tokens=3).strip().startswith("Paris")
 
 
+def test_redrafter_parity_on_gemma3_past_its_sliding_window(gemma3_path):
+    """Real Gemma-3-270M (sliding window 512) with a prompt longer than the
+    window: tree verification keeps greedy parity while paths of every
+    length are accepted."""
+    from conftest import OracleDrafter
+    from test_generate import mlx_lm_greedy, run
+
+    from redrafter_mlx.base_model import BaseModel
+    from redrafter_mlx.generate import ReDrafter
+
+    model, tokenizer = load_gguf(gemma3_path, dtype="float32")
+    base = BaseModel(model)
+    ids = tokenizer.encode("The history of the Roman Empire " * 100)
+    assert len(ids) > model.args.sliding_window
+    reference = mlx_lm_greedy(base.model, ids, 40)
+    drafter = OracleDrafter(base, [ids + reference], corrupt=5)
+    (tokens,), accepted = run(ReDrafter(base, drafter), [ids], max_tokens=32, beam_width=4, beam_length=5)
+    assert tokens == reference[:32] and len(set(accepted)) > 2
+
+
 def test_gemma3_tokenizer_matches_transformers(gemma3_path, gemma3):
     """SentencePiece merges rebuilt from the vocabulary, user-defined whitespace
     runs and byte fallback agree with transformers' GGUF tokenizer."""
