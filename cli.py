@@ -177,7 +177,8 @@ def bench(
     model: Optional[str] = MODEL,
     drafter: Optional[str] = DRAFTER,
     prompts_file: Optional[str] = typer.Option(None, "--prompts", help="JSONL file with a \"prompt\" per line; default: 8 built-in prompts."),
-    num_prompts: int = typer.Option(8, "--num-prompts", help="Use the first N prompts."),
+    num_prompts: int = typer.Option(8, "--num-prompts", help="Use the first N prompts (after --every)."),
+    every: int = typer.Option(1, "--every", help="Use every K-th prompt of the file (a spread-out subset)."),
     max_tokens: int = typer.Option(128, "--max-tokens", "-n", help="Tokens generated per prompt."),
     temp: float = TEMP,
     top_p: float = TOP_P,
@@ -204,15 +205,15 @@ def bench(
     for w in widths:
         for length in lengths:
             check_settings(max_tokens, w, length)
-    if min(num_prompts, batch_size, repeats, max_tokens) < 1:
-        fail("--num-prompts, --batch-size, --repeats and --max-tokens must be at least 1")
+    if min(num_prompts, every, batch_size, repeats, max_tokens) < 1:
+        fail("--num-prompts, --every, --batch-size, --repeats and --max-tokens must be at least 1")
     if plot_out:
         try:
             import matplotlib  # noqa: F401
         except ImportError:
             fail("--plot needs matplotlib: pip install matplotlib")
     choose = _sampling(temp, top_p, 0, 0.0, None, seed)
-    texts = (read_prompts(prompts_file) if prompts_file else DEFAULT_PROMPTS)[:num_prompts]
+    texts = (read_prompts(prompts_file) if prompts_file else DEFAULT_PROMPTS)[::every][:num_prompts]
     redrafter, tokenizer = load(model, drafter, dtype=_dtype(dtype))
     prompts = [encode_prompt(tokenizer, t) for t in texts]
     shapes = [(w, length) for w in widths for length in lengths]
@@ -229,7 +230,7 @@ def bench(
     mismatched = [f"{r.beam_width}x{r.beam_length}" for r in results if r.mismatches]
     if mismatched:
         typer.echo(f"WARNING: greedy ReDrafter output differs from autoregressive output for beam shapes {', '.join(mismatched)}", err=True)
-    settings = dict(model=model or "default", drafter=drafter or "default", prompts=prompts_file or "built-in", num_prompts=len(prompts),
+    settings = dict(model=model or "default", drafter=drafter or "default", prompts=prompts_file or "built-in", every=every, num_prompts=len(prompts),
                     max_tokens=max_tokens, temp=temp, top_p=top_p, seed=seed, batch_size=batch_size, repeats=repeats)
     if json_out:
         with open(json_out, "w") as f:

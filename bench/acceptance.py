@@ -2,6 +2,8 @@
 prompts file, per beam shape. Tokens per step does not depend on timing, so
 prompts run in batches; results are written after each shape, and shapes
 already in the output file are skipped (rerun the same command to resume).
+Per-prompt steps and tokens are kept too, so a subset's figure can be
+recomputed from a run over the whole file.
 
     python bench/acceptance.py --drafter DRAFTER --prompts ../shared/data/prompts/dev.jsonl \\
         --shapes 1x5,2x5,4x5,8x5 --max-tokens 256 --out bench/results/acceptance.json
@@ -19,18 +21,27 @@ from redrafter_mlx.prompts import read_prompts
 
 
 def measure(redrafter, prompts, width, length, max_tokens, batch_size, choose, eos):
-    steps, step_tokens, generated = 0, 0, 0
+    """Totals over the prompts, and per prompt (steps, tokens from steps, generated tokens)."""
+    per_prompt = [[0, 0, 0] for _ in prompts]
     histogram = [0] * length
     for start in range(0, len(prompts), batch_size):
         batch = prompts[start : start + batch_size]
         for outputs in generate_steps(redrafter, batch, max_tokens=max_tokens, beam_width=width, beam_length=length, choose=choose, eos_token_ids=eos):
             for out in outputs:
-                generated += len(out.tokens)
+                counts = per_prompt[start + out.row]
+                counts[2] += len(out.tokens)
                 if out.num_accepted is not None:
-                    steps += 1
-                    step_tokens += out.num_accepted + 1
+                    counts[0] += 1
+                    counts[1] += out.num_accepted + 1
                     histogram[out.num_accepted] += 1
-    return {"steps": steps, "tokens_per_step": step_tokens / steps, "generated_tokens": generated, "accepted_histogram": histogram}
+    steps, step_tokens, generated = (sum(column) for column in zip(*per_prompt))
+    return {
+        "steps": steps,
+        "tokens_per_step": step_tokens / steps,
+        "generated_tokens": generated,
+        "accepted_histogram": histogram,
+        "per_prompt": {"columns": ["steps", "step_tokens", "generated_tokens"], "rows": per_prompt},
+    }
 
 
 def main():
@@ -38,7 +49,8 @@ def main():
     parser.add_argument("--model", default=None)
     parser.add_argument("--drafter", default=None)
     parser.add_argument("--prompts", required=True)
-    parser.add_argument("--num-prompts", type=int, default=None)
+    parser.add_argument("--num-prompts", type=int, default=None, help="Use the first N prompts (after --every).")
+    parser.add_argument("--every", type=int, default=1, help="Use every K-th prompt of the file (a spread-out subset).")
     parser.add_argument("--shapes", default="1x5,2x5,4x5,8x5")
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--batch-size", type=int, default=16)
@@ -50,7 +62,7 @@ def main():
     out = Path(args.out)
     results = json.loads(out.read_text()) if out.exists() else {"settings": vars(args), "shapes": {}}
     redrafter, tokenizer = redrafter_mlx.load(args.model, args.drafter)
-    texts = read_prompts(args.prompts)[: args.num_prompts]
+    texts = read_prompts(args.prompts)[:: args.every][: args.num_prompts]
     prompts = [encode_prompt(tokenizer, t) for t in texts]
     choose = redrafter_mlx.make_chooser(redrafter_mlx.SamplingSettings(temp=args.temp, seed=args.seed))
     for shape in args.shapes.split(","):

@@ -124,7 +124,7 @@ def test_bad_drafters_and_prompts(smol_drafter, tmp_path):
 def test_bench_writes_json_and_plot(smol_drafter, tmp_path):
     pytest.importorskip("matplotlib")
     result = run_cli(
-        "bench", "--drafter", smol_drafter, "--num-prompts", 1, "--max-tokens", 6, "--beam-widths", "1,2",
+        "bench", "--drafter", smol_drafter, "--every", 3, "--num-prompts", 1, "--max-tokens", 6, "--beam-widths", "1,2",
         "--beam-lengths", 2, "--json", tmp_path / "b.json", "--plot", tmp_path / "b.png",
     )
     assert result.returncode == 0, result.stderr
@@ -132,6 +132,7 @@ def test_bench_writes_json_and_plot(smol_drafter, tmp_path):
     report = json.loads((tmp_path / "b.json").read_text())
     assert {"environment", "settings", "results"} <= set(report)
     assert report["environment"]["mlx"] and report["environment"]["dtype"] == "float32"
+    assert report["settings"]["every"] == 3 and report["settings"]["num_prompts"] == 1
     assert [(r["beam_width"], r["beam_length"]) for r in report["results"]] == [(1, 2), (2, 2)]
     for r in report["results"]:
         assert r["greedy_mismatches"] == 0 and r["baseline_tps"] > 0 and r["tokens_per_step"] >= 1
