@@ -10,10 +10,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_chat_session():
-    """No arguments: the embedded default model and its shipped drafter."""
+    """The embedded default model and its shipped drafter. Answers may run
+    long, so the story is still streaming when Ctrl-C arrives even on a
+    fast machine or when this test process is starved of CPU."""
     env = dict(os.environ, PYTHONPATH=ROOT)
     child = pexpect.spawn(
-        sys.executable, ["-m", "redrafter_mlx.cli", "chat"],
+        sys.executable, ["-m", "redrafter_mlx.cli", "chat", "--max-tokens", "2048"],
         cwd=ROOT, env=env, encoding="utf-8", timeout=180,
     )
     try:
