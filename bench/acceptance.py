@@ -58,6 +58,8 @@ def main():
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
+    if args.every < 1:
+        parser.error("--every must be at least 1")
 
     out = Path(args.out)
     results = json.loads(out.read_text()) if out.exists() else {"settings": vars(args), "shapes": {}}
