@@ -1,5 +1,6 @@
 """Interactive multi-turn chat, streaming each answer as ReDrafter accepts it."""
 
+import signal
 import time
 from dataclasses import dataclass
 
@@ -47,6 +48,9 @@ def answer(redrafter, tokenizer, messages: list, max_tokens: int, write, **gener
 
 def chat_loop(redrafter, tokenizer, max_tokens: int, system_prompt=None, read=input, write=print, **generation) -> None:
     """Read a message, stream the answer, repeat; see HELP."""
+    # A shell starts background jobs with SIGINT ignored, and Python then
+    # never raises KeyboardInterrupt; Ctrl-C must stop an answer regardless.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     def out(segment: str) -> None:
         write(segment, end="", flush=True)
 
