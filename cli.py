@@ -1,9 +1,10 @@
 """The ``redrafter-mlx`` command line (installed as ``redrafter_mlx.cli``)."""
 
 import json
+import os
 import sys
 import time
-from typing import Optional
+from typing import List, Optional
 
 import typer
 
@@ -277,7 +278,7 @@ def distill(
 
 @app.command()
 def train(
-    data: str = typer.Option(..., "--data", help="Distillation data folder made by `redrafter-mlx distill`."),
+    data: List[str] = typer.Option(..., "--data", help="Distillation data folder made by `redrafter-mlx distill`; repeat to train on several (e.g. greedy and sampled responses)."),
     output: str = typer.Option(..., "--output", "-o", help="Drafter folder to write; training resumes from its checkpoint/ if present."),
     model: Optional[str] = typer.Option(None, "--model", "-m", help=MODEL_HELP + " Must be the model the data was distilled from."),
     steps: int = typer.Option(2000, "--steps", help="Optimizer steps."),
@@ -302,9 +303,11 @@ def train(
     from pathlib import Path
 
     from redrafter_mlx.base_model import BaseModel
-    from redrafter_mlx.distill import DataFolder
+    from redrafter_mlx.distill import DataFolder, Sequences
     from redrafter_mlx.loading import load_base_model
-    from redrafter_mlx.train import TrainConfig, Trainer, build_draft_vocab, build_positions, compute_hidden_cache, train as run_train
+    from redrafter_mlx.train import (
+        StackedRows, TrainConfig, Trainer, build_draft_vocab, build_positions, compute_hidden_cache, train as run_train,
+    )
 
     if drafter_dtype not in ("float32", "bfloat16"):
         fail("--drafter-dtype must be float32 or bfloat16")
@@ -320,14 +323,19 @@ def train(
         dtype=drafter_dtype, steps=steps, batch_size=batch_size, learning_rate=learning_rate, warmup=warmup,
         weight_decay=weight_decay, grad_clip=grad_clip, hidden_dropout=hidden_dropout, eval_every=eval_every, save_every=save_every, seed=seed,
     )
-    folder = DataFolder(data)
-    if folder.meta is None:
-        fail(f"{data} is not a distillation data folder (run `redrafter-mlx distill` first)")
+    if len({os.path.realpath(path) for path in data}) < len(data):
+        fail("the same --data folder is given twice")
+    folders = [DataFolder(path) for path in data]
+    for folder in folders:
+        if folder.meta is None:
+            fail(f"{folder.path} is not a distillation data folder (run `redrafter-mlx distill` first)")
     base_model, _ = load_base_model(model, _dtype(dtype))
     base = BaseModel(base_model)
-    meta = folder.check_model(base.vocab_size, base.hidden_size)
-    sequences = folder.load()
-    hidden = compute_hidden_cache(base, folder, sequences)
+    metas = [folder.check_model(base.vocab_size, base.hidden_size) for folder in folders]
+    parts = [folder.load() for folder in folders]
+    # Rows of the stacked hidden states follow the concatenated sequences' positions.
+    hidden = StackedRows([compute_hidden_cache(base, folder, part) for folder, part in zip(folders, parts)])
+    sequences = Sequences.concatenate(parts)
     positions = build_positions(sequences, config.depth, config.eval_fraction)
     vocab = build_draft_vocab(sequences, draft_vocab) if draft_vocab else None
     out.mkdir(parents=True, exist_ok=True)
@@ -339,8 +347,8 @@ def train(
     with open(log_path, "a") as log:
         result = run_train(trainer, log=lambda record: log.write(json.dumps(record) + "\n"))
     trainer.export(
-        {"training": dict(config.__dict__, data=str(data), sequences=len(sequences), positions=int((~positions.held_out).sum()),
-                          distill_settings={k: meta.get(k) for k in ("max_tokens", "temp", "num_prompts")},
+        {"training": dict(config.__dict__, data=list(data), sequences=len(sequences), positions=int((~positions.held_out).sum()),
+                          distill_settings=[{k: meta.get(k) for k in ("max_tokens", "temp", "num_prompts")} for meta in metas],
                           seconds_this_run=round(time.time() - started), **result)}
     )
     typer.echo(f"drafter written to {output}: {json.dumps(result)}")

@@ -51,6 +51,11 @@ class Sequences:
         start = int(self.lengths[:i].sum())
         return self.tokens[start : start + int(self.lengths[i])]
 
+    @classmethod
+    def concatenate(cls, parts: list["Sequences"]) -> "Sequences":
+        """The sequences of several data folders, in order."""
+        return cls(*(np.concatenate([getattr(p, f) for p in parts]) for f in ("prompt_index", "prompt_lengths", "lengths", "tokens")))
+
 
 class DataFolder:
     """A distillation data folder: its metadata and shards."""
@@ -94,7 +99,7 @@ class DataFolder:
                 raise UserError(f"corrupt shard {shard}: {e}") from None
         if not parts:
             raise UserError(f"data folder {self.path} holds no sequences yet; run `redrafter-mlx distill`")
-        return Sequences(*(np.concatenate([p[k] for p in parts]) for k in ("prompt_index", "prompt_lengths", "lengths", "tokens")))
+        return Sequences.concatenate([Sequences(**p) for p in parts])
 
     def done_prompts(self) -> set:
         done = set()

@@ -156,6 +156,31 @@ def _shard_hidden(base, shard: Path, batch_tokens: int) -> None:
     os.replace(temporary, target)
 
 
+class StackedRows:
+    """Rows of several 2-D arrays (the hidden-state memmaps of several data
+    folders) seen as one array, without copying them: ``stacked[rows]``
+    gathers from each part."""
+
+    def __init__(self, parts: list[np.ndarray]):
+        self.parts = parts
+        self.offsets = np.cumsum([0] + [len(p) for p in parts])
+        self.shape = (int(self.offsets[-1]), parts[0].shape[1])
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __getitem__(self, rows: np.ndarray) -> np.ndarray:
+        """(n,) row numbers -> (n, width), in the order given."""
+        rows = np.asarray(rows)
+        part = np.searchsorted(self.offsets, rows, side="right") - 1
+        out = np.empty((len(rows), self.shape[1]), self.parts[0].dtype)
+        for i, array in enumerate(self.parts):
+            mask = part == i
+            if mask.any():
+                out[mask] = array[rows[mask] - self.offsets[i]]
+        return out
+
+
 def build_draft_vocab(sequences: Sequences, size: int) -> np.ndarray:
     """The ``size`` most frequent generated tokens, most frequent first."""
     starts = np.concatenate([[0], np.cumsum(sequences.lengths)[:-1]])
@@ -284,7 +309,7 @@ class Trainer:
         self.step += 1
         return loss.item()
 
-    def evaluate(self, max_rows: int = 20000) -> dict:
+    def evaluate(self, max_rows: int = 50000) -> dict:
         """Loss and top-1 accuracy per depth on held-out positions."""
         rows = self.eval_rows[:max_rows]
         if len(rows) == 0:

@@ -121,6 +121,26 @@ def test_bad_drafters_and_prompts(smol_drafter, tmp_path):
     assert_clean_error(run_cli("generate", "--drafter", smol_drafter, "--prompts", no_field), '"prompt" field')
 
 
+def test_distill_then_train_on_two_folders_gives_a_drafter_generate_loads(tmp_path):
+    """The whole training path from the command line, on the real model: a
+    greedy and a sampled data folder, one drafter trained on both."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("Name a colour.", "What is 2+3?", "Say hi.")))
+    for folder, temp in (("greedy", "0"), ("sampled", "0.7")):
+        result = run_cli("distill", "--prompts", prompts, "--output", tmp_path / folder, "--max-tokens", 12, "--temp", temp)
+        assert result.returncode == 0, result.stderr
+    train = ("train", "--data", tmp_path / "greedy", "--data", tmp_path / "sampled", "--output", tmp_path / "drafter",
+             "--steps", 3, "--batch-size", 8, "--exit-dim", 32, "--draft-vocab", 64, "--eval-every", 3)
+    result = run_cli(*train)
+    assert result.returncode == 0, result.stderr
+    training = json.loads((tmp_path / "drafter" / "config.json").read_text())["training"]
+    assert training["sequences"] == 6 and [s["temp"] for s in training["distill_settings"]] == [0.0, 0.7]
+    result = run_cli("generate", "--drafter", tmp_path / "drafter", "--prompt", "Say hi.", "--max-tokens", 8)
+    assert result.returncode == 0 and result.stdout.strip(), result.stderr
+    assert_clean_error(run_cli(*train[:4], tmp_path / "greedy", *train[5:]), "given twice")
+    assert_clean_error(run_cli(*train[:4], tmp_path, *train[5:]), "not a distillation data folder")
+
+
 def test_bench_writes_json_and_plot(smol_drafter, tmp_path):
     pytest.importorskip("matplotlib")
     result = run_cli(

@@ -9,6 +9,7 @@ from redrafter_mlx.base_model import BaseModel
 from redrafter_mlx.distill import DataFolder
 from redrafter_mlx.drafter import load_drafter
 from redrafter_mlx.train import (
+    StackedRows,
     TrainConfig,
     Trainer,
     build_draft_vocab,
@@ -48,6 +49,15 @@ def test_loss_equals_direct_computation():
         expected += np.mean(terms)
     assert abs(loss.item() - expected) < 1e-4
     assert correct.tolist() == hits.tolist() and counted.tolist() == counts.tolist()
+
+
+def test_stacked_rows_gather_like_the_concatenated_array():
+    rng = np.random.default_rng(0)
+    parts = [rng.normal(size=(n, 3)).astype(np.float16) for n in (5, 1, 7)]
+    stacked = StackedRows(parts)
+    rows = rng.permutation(13)[:9]
+    assert len(stacked) == 13
+    np.testing.assert_array_equal(stacked[rows], np.concatenate(parts)[rows])
 
 
 def synthetic_data(folder, num_sequences=60, seed=0):
