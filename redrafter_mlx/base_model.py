@@ -31,9 +31,10 @@ class BaseModel:
         if self.backbone is None or not hasattr(self.backbone, "embed_tokens"):
             raise UserError(f"unsupported model type {type(model).__module__}: no backbone with embed_tokens")
         if "lm_head" in language_model:
-            self.head = language_model.lm_head
+            self.head = self.head_layer = language_model.lm_head
         else:
-            self.head = self.backbone.embed_tokens.as_linear
+            self.head_layer = self.backbone.embed_tokens  # tied
+            self.head = self.head_layer.as_linear
         self.num_layers = len(model.layers)
         if install_tree_rope(model) == 0:
             raise UserError("unsupported model: no RoPE module found to give tree tokens their positions")
@@ -55,6 +56,19 @@ class BaseModel:
                 "head(last hidden state)"
             )
         return hidden.shape[-1], logits.shape[-1]
+
+    def head_rows(self, token_ids: mx.array) -> mx.array:
+        """Rows of the output head for some tokens, (n, hidden_size) float32:
+        ``hidden @ head_rows(ids).T`` are the logits of those tokens only."""
+        layer = self.head_layer
+        if "scales" in layer:  # quantized
+            weight = mx.dequantize(
+                layer.weight[token_ids], layer.scales[token_ids], layer.biases[token_ids],
+                group_size=layer.group_size, bits=layer.bits,
+            )
+        else:
+            weight = layer.weight[token_ids]
+        return weight.astype(mx.float32)
 
     def embed(self, tokens: mx.array) -> mx.array:
         """The input embedding the drafter shares, (...) -> (..., hidden_size)."""

@@ -8,6 +8,12 @@ predictions of x[t+2] .. x[t+T+1]. The loss is the sum over depths of the
 mean cross-entropy at that depth. (At inference x[t+1] is the token the base
 model has just chosen, column 0 of the beams.)
 
+Optionally (``soft_targets`` > 0) the target at each depth is also the base
+model's whole next-token distribution there, softmax(head(h[t+k+1])) over
+the draft vocabulary, not only the token it generated: the hidden states
+are already cached, so this costs one small matmul, and the drafter learns
+how the base model ranks the alternatives its beams will propose.
+
 Hidden states come from the data folder: ``distill`` saves them beside each
 shard, and shards without them are run through the base model once, a batch
 of sequences at a time. Training reads them from a float16 memory-mapped
@@ -53,6 +59,7 @@ class TrainConfig:
     warmup: int = 100
     weight_decay: float = 0.0
     hidden_dropout: float = 0.0  # dropout on h while training: the drafter memorises h otherwise
+    soft_targets: float = 0.0  # weight of the base model's distribution as target (0: generated tokens only)
     grad_clip: float = 1.0
     eval_every: int = 250
     save_every: int = 250
@@ -198,6 +205,8 @@ def drafter_loss(
     hidden: mx.array,
     tokens: mx.array,
     targets: mx.array,
+    teacher_logits: Optional[mx.array] = None,
+    soft_weight: float = 0.0,
 ) -> tuple[mx.array, mx.array, mx.array]:
     """The ReDrafter training loss.
 
@@ -207,10 +216,15 @@ def drafter_loss(
         targets: (N, T) draft-vocabulary index of x[t+2] .. x[t+T+1], -1
             where there is none (past the end, or outside a reduced draft
             vocabulary).
+        teacher_logits: (N, T, draft_vocab) the base model's logits for
+            x[t+2] .. x[t+T+1], needed when ``soft_weight`` > 0.
+        soft_weight: the cross-entropy at each depth is
+            ``(1 - soft_weight) * CE(target) + soft_weight * CE(softmax(teacher))``.
 
     Returns:
         loss: sum over depths of the mean cross-entropy at that depth.
-        correct, counted: (T,) top-1 hits and scored positions per depth.
+        correct, counted: (T,) top-1 hits (against ``targets``) and scored
+            positions per depth.
     """
     state, loss, correct, counted = None, mx.array(0.0), [], []
     for k in range(tokens.shape[1]):
@@ -218,7 +232,12 @@ def drafter_loss(
         logits = drafter.draft_logits(hidden, state).astype(mx.float32)
         valid = targets[:, k] >= 0
         target = mx.maximum(targets[:, k], 0)
-        ce = mx.logsumexp(logits, axis=-1) - mx.take_along_axis(logits, target[:, None], axis=-1)[:, 0]
+        log_z = mx.logsumexp(logits, axis=-1)
+        ce = log_z - mx.take_along_axis(logits, target[:, None], axis=-1)[:, 0]
+        if soft_weight > 0:
+            teacher = mx.softmax(teacher_logits[:, k].astype(mx.float32), axis=-1)
+            soft_ce = log_z - (teacher * logits).sum(axis=-1)
+            ce = (1 - soft_weight) * ce + soft_weight * soft_ce
         n = valid.sum()
         loss = loss + (ce * valid).sum() / mx.maximum(n, 1)
         correct.append(((mx.argmax(logits, axis=-1) == target) & valid).sum())
@@ -265,6 +284,11 @@ class Trainer:
         self.optimizer.init(self.drafter.trainable_parameters())
         self.step = 0
         self.embed = lambda t: mx.stop_gradient(base.embed(t))
+        # The base model's head restricted to the draft vocabulary, for soft targets.
+        self.teacher_head = None
+        if config.soft_targets > 0:
+            ids = draft_token_ids if draft_token_ids is not None else np.arange(base.vocab_size)
+            self.teacher_head = base.head_rows(mx.array(ids))
         self._compiled_step = None  # built on first use, after any checkpoint is loaded
 
     def _make_train_step(self):
@@ -272,10 +296,10 @@ class Trainer:
 
         keep = 1.0 - self.config.hidden_dropout
 
-        def train_step(hidden, tokens, targets, key):
+        def train_step(key, hidden, *rest):
             if keep < 1.0:
                 hidden = hidden * mx.random.bernoulli(keep, hidden.shape, key=key) / keep
-            (loss, correct, counted), grads = loss_and_grad(hidden, tokens, targets)
+            (loss, correct, counted), grads = loss_and_grad(hidden, *rest)
             grads, _ = optim.clip_grad_norm(grads, self.config.grad_clip)
             self.optimizer.update(self.drafter, grads)
             return loss
@@ -283,14 +307,29 @@ class Trainer:
         state = [self.drafter.state, self.optimizer.state]
         return mx.compile(train_step, inputs=state, outputs=state)
 
-    def _loss(self, hidden, tokens, targets):
-        return drafter_loss(self.drafter, self.embed, hidden, tokens, targets)
+    def _loss(self, hidden, tokens, targets, teacher_hidden=None):
+        teacher_logits = None
+        if teacher_hidden is not None:
+            teacher_logits = mx.stop_gradient(teacher_hidden @ self.teacher_head.T)
+        return drafter_loss(self.drafter, self.embed, hidden, tokens, targets, teacher_logits, self.config.soft_targets)
 
-    def batch(self, rows: np.ndarray):
-        hidden = mx.array(self.hidden_cache[self.positions.hidden_row[rows]].astype(np.float32))
+    def batch(self, rows: np.ndarray) -> tuple:
+        """Arrays for ``_loss``: h[t] (n, hidden), RNN inputs (n, T),
+        targets (n, T) and, with soft targets, h[t+1] .. h[t+T] (n, T, hidden),
+        the states the base model chose each target from."""
+        hidden_rows = self.positions.hidden_row[rows]
+        hidden = mx.array(self.hidden_cache[hidden_rows].astype(np.float32))
         window = self.positions.tokens[rows]
         targets = np.where(window[:, 1:] >= 0, self.to_draft[np.maximum(window[:, 1:], 0)], -1)
-        return hidden, mx.array(window[:, :-1]), mx.array(targets)
+        arrays = (hidden, mx.array(window[:, :-1]), mx.array(targets))
+        if self.teacher_head is None:
+            return arrays
+        # h[t+k+1] is the next row of the same sequence wherever x[t+k+2]
+        # exists; elsewhere the target is masked, so any row will do.
+        depth = self.config.depth
+        teacher_rows = np.minimum(hidden_rows[:, None] + 1 + np.arange(depth), len(self.hidden_cache) - 1)
+        teacher = self.hidden_cache[teacher_rows.reshape(-1)].astype(np.float32).reshape(len(rows), depth, -1)
+        return arrays + (mx.array(teacher),)
 
     def rows_for_step(self, step: int) -> np.ndarray:
         """Deterministic data order: a fresh permutation each epoch."""
@@ -304,7 +343,7 @@ class Trainer:
             self._compiled_step = self._make_train_step()
         # The dropout key is a function of the step, so a resumed run draws the same masks.
         key = mx.random.key(self.config.seed * 1_000_003 + self.step)
-        loss = self._compiled_step(*self.batch(self.rows_for_step(self.step)), key)
+        loss = self._compiled_step(key, *self.batch(self.rows_for_step(self.step)))
         mx.eval(loss, self.drafter.parameters(), self.optimizer.state)
         self.step += 1
         return loss.item()

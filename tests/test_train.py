@@ -20,7 +20,8 @@ from redrafter_mlx.train import (
 )
 
 
-def test_loss_equals_direct_computation():
+@pytest.mark.parametrize("soft_weight", [0.0, 0.6])
+def test_loss_equals_direct_computation(soft_weight):
     drafter = tiny_drafter(seed=5, exit_dim=48, layers=2)
     table = mx.random.normal((VOCAB, HIDDEN), key=mx.random.key(1))
     embed = lambda t: table[t]
@@ -30,7 +31,10 @@ def test_loss_equals_direct_computation():
     targets = rng.integers(0, VOCAB, size=(6, 3))
     targets[4, 1:] = -1  # the sequence ends
     targets[5, 2] = -1
-    loss, correct, counted = drafter_loss(drafter, embed, hidden, mx.array(tokens), mx.array(targets))
+    teacher_logits = rng.normal(size=(6, 3, VOCAB)) * 3
+    loss, correct, counted = drafter_loss(
+        drafter, embed, hidden, mx.array(tokens), mx.array(targets), mx.array(teacher_logits, mx.float32), soft_weight
+    )
 
     expected, hits, counts = 0.0, np.zeros(3), np.zeros(3)
     for k in range(3):
@@ -43,7 +47,10 @@ def test_loss_equals_direct_computation():
             if targets[i, k] < 0:
                 continue
             log_z = np.log(np.exp(logits - logits.max()).sum()) + logits.max()
-            terms.append(log_z - logits[targets[i, k]])
+            teacher = np.exp(teacher_logits[i, k] - teacher_logits[i, k].max())
+            teacher /= teacher.sum()
+            soft = -(teacher * (logits - log_z)).sum()
+            terms.append((1 - soft_weight) * (log_z - logits[targets[i, k]]) + soft_weight * soft)
             hits[k] += logits.argmax() == targets[i, k]
             counts[k] += 1
         expected += np.mean(terms)
@@ -119,8 +126,40 @@ def test_training_learns_a_pattern_at_every_depth(setup, tmp_path, draft_vocab):
     assert drafter.args.draft_vocab_size == (draft_vocab or None)
 
 
+def test_soft_targets_are_the_base_models_next_token_distribution(setup, tmp_path):
+    """The teacher states of a batch are h[t+1] .. h[t+T] of the same
+    sequence, and training on them alone teaches the drafter the base
+    model's own choices (here a random model's, unlike the data's cycle)."""
+    base, sequences, hidden = setup
+    trainer = make_trainer(setup, tmp_path / "out", soft_targets=1.0, draft_vocab=48)
+    p, length = int(sequences.prompt_lengths[0]), int(sequences.lengths[0])
+    direct = np.array(base.backbone(mx.array([sequences.sequence(0).tolist()]))[0])
+    _, _, targets, teacher = trainer.batch(np.array([0, 1]))
+    for row in (0, 1):
+        for k in range(trainer.config.depth):
+            t = p - 1 + row  # position of h[t] for row
+            if t + k + 2 < length:
+                np.testing.assert_allclose(np.array(teacher[row, k]), direct[t + k + 1], atol=2e-2, rtol=1e-2)
+
+    def agreement():
+        rows = trainer.eval_rows
+        h, tokens, targets, teacher = trainer.batch(rows)
+        valid = np.array(targets) >= 0
+        teacher_choice = np.array(mx.argmax(teacher @ trainer.teacher_head.T, axis=-1))
+        state, choices = None, []
+        for k in range(tokens.shape[1]):
+            state = trainer.drafter.update_state(base.embed(mx.maximum(tokens[:, k], 0)), state)
+            choices.append(np.array(mx.argmax(trainer.drafter.draft_logits(h, state), axis=-1)))
+        return (np.stack(choices, 1) == teacher_choice)[valid].mean()
+
+    before = agreement()
+    train(trainer, progress=False)
+    after = agreement()
+    assert before < 0.1 and after > 0.5, (before, after)  # chance: 1/48; the random teacher is nearly flat
+
+
 def test_resuming_from_a_checkpoint_continues_with_identical_loss(setup, tmp_path):
-    overrides = dict(steps=24, save_every=12, eval_every=100, hidden_dropout=0.2)
+    overrides = dict(steps=24, save_every=12, eval_every=100, hidden_dropout=0.2, soft_targets=0.5)
     straight = []
     train(make_trainer(setup, tmp_path / "a", **overrides), progress=False, log=lambda r: straight.append(r["loss"]))
 
