@@ -73,6 +73,7 @@ def main():
     if (folder.meta or {}).get("temp", 0) != 0:
         raise SystemExit(f"error: {args.data} holds sampled responses; the replay needs greedy ones")
     base = BaseModel(load_base_model(args.model)[0])
+    folder.check_model(base.vocab_size, base.hidden_size)
     drafter = load_drafter(args.drafter)
     sequences = folder.load()
     hidden = compute_hidden_cache(base, folder, sequences, progress=False)
