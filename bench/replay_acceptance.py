@@ -26,6 +26,7 @@ from redrafter_mlx.base_model import BaseModel
 from redrafter_mlx.beam_search import beam_search
 from redrafter_mlx.distill import DataFolder
 from redrafter_mlx.drafter import load_drafter
+from redrafter_mlx.errors import UserError
 from redrafter_mlx.loading import load_base_model
 from redrafter_mlx.train import build_positions, compute_hidden_cache
 
@@ -93,4 +94,7 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except UserError as e:
+        raise SystemExit(f"error: {e}") from None
