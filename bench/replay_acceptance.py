@@ -50,12 +50,13 @@ def accepted_lengths(drafter, base, hidden, tokens, width, length, batch_size=20
 
 
 def replay(accepted, starts, counts):
-    """Steps to generate each sequence: from its first position, a step
-    with a accepted drafts advances a + 1 positions."""
+    """Steps to generate each sequence, as generation counts them: the
+    prefill chooses the first response token; from then on a step with a
+    accepted drafts adds a + 1 tokens, until all are there."""
     steps = 0
     for start, n in zip(starts, counts):
-        t = 0
-        while t < n:
+        t = 0  # response tokens after the first
+        while t < n - 1:
             t += int(accepted[start + t]) + 1
             steps += 1
     return steps
@@ -84,12 +85,13 @@ def main():
     first_row = np.concatenate([[0], np.cumsum(counts)[:-1]])
     rows = np.concatenate([np.arange(first_row[i], first_row[i] + counts[i]) for i in np.flatnonzero(keep)])
     starts = np.concatenate([[0], np.cumsum(counts[keep])[:-1]])
+    step_tokens = int(np.maximum(counts[keep] - 1, 0).sum())  # all but each prefill's token
     result = {"drafter": args.drafter, "sequences": int(keep.sum()), "tokens": int(counts[keep].sum())}
     for shape in args.shapes.split(","):
         width, length = map(int, shape.split("x"))
         accepted = accepted_lengths(drafter, base, hidden[positions.hidden_row[rows]], positions.tokens[rows, :length], width, length)
         steps = replay(accepted, starts, counts[keep])
-        result[shape] = round(result["tokens"] / steps, 3)
+        result[shape] = round(step_tokens / steps, 3)
         print(json.dumps(result), flush=True)
 
 
