@@ -8,8 +8,8 @@ walks the sequence step by step as generation would.
 
 It differs from a real run only where the cached float16 hidden states tie
 the base model's choice differently, so it ranks drafters and beam shapes in
-seconds. Only sequences held out from training are used (the trainer's
-rule: prompt index divisible by 50), unless ``--all``.
+minutes. Only sequences held out from training are used (the trainer's
+rule), unless ``--all``.
 
     python bench/replay_acceptance.py --drafter DRAFTER --data data/distill-smollm2-135m --shapes 1x5,4x5
 """
@@ -28,7 +28,7 @@ from redrafter_mlx.distill import DataFolder
 from redrafter_mlx.drafter import load_drafter
 from redrafter_mlx.errors import UserError
 from redrafter_mlx.loading import load_base_model
-from redrafter_mlx.train import build_positions, compute_hidden_cache
+from redrafter_mlx.train import TrainConfig, build_positions, cached_positions, compute_hidden_cache
 
 
 def accepted_lengths(drafter, base, hidden, tokens, width, length, batch_size=2048):
@@ -79,19 +79,20 @@ def main():
     drafter = load_drafter(args.drafter)
     sequences = folder.load()
     hidden = compute_hidden_cache(base, folder, sequences, progress=False)
-    positions = build_positions(sequences, 8, 0.02)
-    counts = np.maximum(sequences.lengths - sequences.prompt_lengths, 0)
-    keep = np.ones(len(counts), bool) if args.all else sequences.prompt_index % 50 == 0
+    shapes = [tuple(map(int, shape.split("x"))) for shape in args.shapes.split(",")]
+    positions = build_positions(sequences, max(length for _, length in shapes) - 1, TrainConfig().eval_fraction)
+    counts = cached_positions(sequences)  # positions, i.e. response tokens, per sequence
     first_row = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    # A sequence is held out when its positions are (the trainer's rule).
+    keep = np.ones(len(counts), bool) if args.all else (counts > 0) & positions.held_out[np.minimum(first_row, len(positions.held_out) - 1)]
     rows = np.concatenate([np.arange(first_row[i], first_row[i] + counts[i]) for i in np.flatnonzero(keep)])
     starts = np.concatenate([[0], np.cumsum(counts[keep])[:-1]])
     step_tokens = int(np.maximum(counts[keep] - 1, 0).sum())  # all but each prefill's token
     result = {"drafter": args.drafter, "sequences": int(keep.sum()), "tokens": int(counts[keep].sum())}
-    for shape in args.shapes.split(","):
-        width, length = map(int, shape.split("x"))
+    for width, length in shapes:
         accepted = accepted_lengths(drafter, base, hidden[positions.hidden_row[rows]], positions.tokens[rows, :length], width, length)
         steps = replay(accepted, starts, counts[keep])
-        result[shape] = round(step_tokens / steps, 3)
+        result[f"{width}x{length}"] = round(step_tokens / steps, 3)
         print(json.dumps(result), flush=True)
 
 

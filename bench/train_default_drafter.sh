@@ -10,7 +10,7 @@ SHIPPED=redrafter_mlx/drafters/smollm2-135m-instruct
 
 # 1. The base model's greedy responses to the training prompts (~140 min here),
 #    and sampled ones (temperature 0.7; stopped after the 2,048 shortest
-#    prompts, 50 min: rerun to extend it).
+#    prompts, 89 min while sharing the CPU: rerun to extend it).
 redrafter-mlx distill --prompts $PROMPTS/train.jsonl --output $DATA --batch-size 64 --max-tokens 256
 redrafter-mlx distill --prompts $PROMPTS/train.jsonl --output $DATA-t0.7 --batch-size 64 --max-tokens 256 --temp 0.7 --seed 1
 
