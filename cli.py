@@ -251,6 +251,7 @@ def distill(
     seed: int = SEED,
     batch_size: int = typer.Option(64, "--batch-size", "-b", help="Prompts generated together; finished ones are replaced by waiting ones."),
     limit: Optional[int] = typer.Option(None, "--limit", help="Use only the first N prompts."),
+    samples: int = typer.Option(1, "--samples", help="Sampled responses per prompt (needs --temp above 0): more data from few prompts."),
     dtype: Optional[str] = DTYPE,
 ):
     """Generate distillation data: the base model's own responses to prompts."""
@@ -259,20 +260,23 @@ def distill(
     from redrafter_mlx.distill import DataFolder, distill as run_distill, response_stream
     from redrafter_mlx.prompts import read_prompts
     from redrafter_mlx.loading import load_base_model
+    from redrafter_mlx.sampling import SamplingSettings
 
-    if max_tokens < 1 or batch_size < 1:
-        fail("--max-tokens and --batch-size must be at least 1")
-    choose = _sampling(temp, top_p, 0, 0.0, None, seed)
+    if max_tokens < 1 or batch_size < 1 or samples < 1:
+        fail("--max-tokens, --batch-size and --samples must be at least 1")
+    if samples > 1 and temp == 0:
+        fail("--samples above 1 needs --temp above 0: greedy responses to a prompt are all the same")
+    sampling = SamplingSettings(temp=temp, top_p=top_p, seed=seed)
     texts = read_prompts(prompts)[:limit]
     base_model, tokenizer = load_base_model(model, _dtype(dtype))
     base = BaseModel(base_model)
 
-    generate = response_stream(base, max_tokens, choose, tokenizer.eos_token_ids)
+    generate = response_stream(base, max_tokens, sampling, tokenizer.eos_token_ids)
     settings = dict(model=model or "default", max_tokens=max_tokens, temp=temp, top_p=top_p, seed=seed)
-    totals = run_distill(base, lambda text: encode_prompt(tokenizer, text), texts, DataFolder(output), settings, generate, batch_size)
+    totals = run_distill(base, lambda text: encode_prompt(tokenizer, text), texts, DataFolder(output), settings, generate, batch_size, samples)
     typer.echo(
-        f"{totals['new_prompts']} prompts, {totals['new_tokens']} new tokens in {totals['seconds']:.0f} s; "
-        f"{output} holds {totals['prompts']} prompts"
+        f"{totals['new_responses']} responses, {totals['new_tokens']} new tokens in {totals['seconds']:.0f} s; "
+        f"{output} holds {totals['responses']} responses to {totals['prompts']} prompts"
     )
 
 

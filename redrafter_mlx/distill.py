@@ -4,6 +4,7 @@ A data folder holds ``meta.json`` (which model, which prompts, which
 settings) and shards ``shard-NNNNN.npz``, each with
 
 - ``prompt_index`` (n,): line of the prompt in the prompts file
+- ``sample`` (n,): which of the prompt's sampled responses (``--samples``)
 - ``prompt_lengths`` (n,): prompt tokens (chat template applied)
 - ``lengths`` (n,): prompt + response tokens
 - ``tokens`` (sum(lengths),): the sequences, concatenated
@@ -16,7 +17,7 @@ missing (they are too large to keep in git).
 
 Shards are written whole (to a temporary name, then renamed), so an
 interrupted run loses at most the batch in flight; running the same command
-again skips the prompts already done.
+again skips the responses already done.
 """
 
 import hashlib
@@ -101,14 +102,18 @@ class DataFolder:
             raise UserError(f"data folder {self.path} holds no sequences yet; run `redrafter-mlx distill`")
         return Sequences.concatenate([Sequences(**p) for p in parts])
 
-    def done_prompts(self) -> set:
+    def done(self) -> set:
+        """(prompt index, sample) of every response already written."""
         done = set()
         for shard in self.shards():
             with np.load(shard) as data:
-                done.update(data["prompt_index"].tolist())
+                samples = data["sample"] if "sample" in data.files else np.zeros_like(data["prompt_index"])
+                done.update(zip(data["prompt_index"].tolist(), samples.tolist()))
         return done
 
-    def write_shard(self, prompt_index: list, prompt_lengths: list, sequences: list, hidden: Optional[list] = None) -> Path:
+    def write_shard(
+        self, prompt_index: list, prompt_lengths: list, sequences: list, hidden: Optional[list] = None, sample: Optional[list] = None
+    ) -> Path:
         """Write one shard (and its hidden states, if given) atomically; on
         failure nothing partial remains."""
         number = len(self.shards())
@@ -122,6 +127,7 @@ class DataFolder:
             np.savez(
                 temporary,
                 prompt_index=np.asarray(prompt_index, np.int32),
+                sample=np.asarray(sample if sample is not None else [0] * len(prompt_index), np.int32),
                 prompt_lengths=np.asarray(prompt_lengths, np.int32),
                 lengths=np.asarray([len(s) for s in sequences], np.int32),
                 tokens=np.concatenate([np.asarray(s, np.int32) for s in sequences]),
@@ -163,14 +169,26 @@ def prepare_folder(folder: DataFolder, prompts: list[str], settings: dict) -> No
         )
 
 
-def response_stream(base, max_tokens: int, choose, eos_token_ids) -> Callable[[list, int], Iterator[tuple]]:
-    """``generate`` for ``distill``: batched decoding that refills the batch
-    as rows finish and yields ``(index, response tokens, hidden states)``
-    for each prompt as soon as it is done."""
-    from .autoregressive import autoregressive_steps
+def sample_seed(seed: int, sample: int) -> int:
+    """The sampling seed of a prompt's ``sample``-th response: distinct per
+    sample, and ``seed`` itself for the first, so a response does not depend
+    on how many are asked for or on the batch it ran in."""
+    return seed + (sample << 32)
 
-    def generate(prompts: list, batch_size: int) -> Iterator[tuple]:
+
+def response_stream(base, max_tokens: int, sampling, eos_token_ids) -> Callable[[list, int, list], Iterator[tuple]]:
+    """``generate`` for ``distill``: batched decoding with ``sampling``
+    (``SamplingSettings``) that refills the batch as rows finish and yields
+    ``(index, response tokens, hidden states)`` for each prompt as soon as it
+    is done. ``samples`` gives each prompt's sample number."""
+    from dataclasses import replace
+
+    from .autoregressive import autoregressive_steps
+    from .sampling import make_chooser
+
+    def generate(prompts: list, batch_size: int, samples: list) -> Iterator[tuple]:
         tokens, hidden = {}, {}
+        choose = make_chooser(replace(sampling, row_seeds=[sample_seed(sampling.seed, k) for k in samples]))
         steps = autoregressive_steps(
             base, prompts, max_tokens=max_tokens, choose=choose, eos_token_ids=eos_token_ids,
             with_hidden=True, max_batch=batch_size,
@@ -191,40 +209,45 @@ def distill(
     prompts: list[str],
     folder: DataFolder,
     settings: dict,
-    generate: Callable[[list, int], Iterator[tuple]],
+    generate: Callable[[list, int, list], Iterator[tuple]],
     batch_size: int,
+    samples: int = 1,
     shard_size: int = 256,
     progress: bool = True,
 ) -> dict:
-    """Generate responses for every prompt not yet in ``folder``.
+    """Generate ``samples`` responses for every prompt (more than one only
+    when sampling), skipping those already in ``folder``.
 
     Prompts run shortest first (little left padding), ``batch_size`` at a
-    time; ``generate(token lists, batch_size)`` yields ``(index, response,
+    time; ``generate(token lists, batch_size, sample numbers)`` yields ``(index, response,
     hidden or None)`` as each finishes. A shard is written every
-    ``shard_size`` finished prompts. Returns totals.
+    ``shard_size`` finished responses. Returns totals.
     """
     from tqdm import tqdm
 
+    if samples > 1:  # folders of one response per prompt keep their original settings
+        settings = dict(settings, samples=samples)
     prepare_folder(folder, prompts, dict(settings, vocab_size=base.vocab_size, hidden_size=base.hidden_size))
-    done = folder.done_prompts()
-    todo = [i for i in range(len(prompts)) if i not in done]
-    tokenized = {i: tokenize(prompts[i]) for i in todo}
-    too_long = [i for i in todo if base.max_context and len(tokenized[i]) >= base.max_context]
+    done = folder.done()
+    todo = [(i, k) for i in range(len(prompts)) for k in range(samples) if (i, k) not in done]
+    tokenized = {i: tokenize(prompts[i]) for i, _ in todo}
+    too_long = [i for i in tokenized if base.max_context and len(tokenized[i]) >= base.max_context]
     if too_long:
         raise UserError(f"prompt on line {too_long[0] + 1} does not fit the model's context")
-    order = sorted(todo, key=lambda i: len(tokenized[i]))
-    bar = tqdm(total=len(prompts), initial=len(done), unit="prompt", disable=not progress, dynamic_ncols=True)
+    order = sorted(todo, key=lambda unit: len(tokenized[unit[0]]))
+    bar = tqdm(total=len(prompts) * samples, initial=len(prompts) * samples - len(todo), unit="response", disable=not progress, dynamic_ncols=True)
     new_tokens, start, pending = 0, time.perf_counter(), []
 
     def flush():
         if pending:
-            indices, responses, hidden = zip(*pending)
+            units, responses, hidden = zip(*pending)
+            indices = [i for i, _ in units]
             sequences = [tokenized[i] + r for i, r in zip(indices, responses)]
-            folder.write_shard(list(indices), [len(tokenized[i]) for i in indices], sequences, list(hidden))
+            folder.write_shard(indices, [len(tokenized[i]) for i in indices], sequences, list(hidden), [k for _, k in units])
             pending.clear()
 
     if order:
-        for local, response, hidden in generate([tokenized[i] for i in order], batch_size):
+        for local, response, hidden in generate([tokenized[i] for i, _ in order], batch_size, [k for _, k in order]):
             pending.append((order[local], response, hidden))
             new_tokens += len(response)
             bar.update(1)
@@ -233,4 +256,4 @@ def distill(
                 flush()
         flush()
     bar.close()
-    return {"prompts": len(prompts), "new_prompts": len(todo), "new_tokens": new_tokens, "seconds": time.perf_counter() - start}
+    return {"prompts": len(prompts), "responses": len(prompts) * samples, "new_responses": len(todo), "new_tokens": new_tokens, "seconds": time.perf_counter() - start}

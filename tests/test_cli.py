@@ -123,22 +123,27 @@ def test_bad_drafters_and_prompts(smol_drafter, tmp_path):
 
 def test_distill_then_train_on_two_folders_gives_a_drafter_generate_loads(tmp_path):
     """The whole training path from the command line, on the real model: a
-    greedy and a sampled data folder, one drafter trained on both."""
+    greedy and a sampled data folder (two responses per prompt), one drafter
+    trained on both."""
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("Name a colour.", "What is 2+3?", "Say hi.")))
-    for folder, temp in (("greedy", "0"), ("sampled", "0.7")):
-        result = run_cli("distill", "--prompts", prompts, "--output", tmp_path / folder, "--max-tokens", 12, "--temp", temp)
+    for folder, temp, samples in (("greedy", "0", 1), ("sampled", "0.7", 2)):
+        result = run_cli("distill", "--prompts", prompts, "--output", tmp_path / folder, "--max-tokens", 12, "--temp", temp, "--samples", samples)
         assert result.returncode == 0, result.stderr
+    assert "6 responses" in result.stdout
     train = ("train", "--data", tmp_path / "greedy", "--data", tmp_path / "sampled", "--output", tmp_path / "drafter",
              "--steps", 3, "--batch-size", 8, "--exit-dim", 32, "--draft-vocab", 64, "--eval-every", 3)
     result = run_cli(*train)
     assert result.returncode == 0, result.stderr
     training = json.loads((tmp_path / "drafter" / "config.json").read_text())["training"]
-    assert training["sequences"] == 6 and [s["temp"] for s in training["distill_settings"]] == [0.0, 0.7]
+    assert training["sequences"] == 9 and [s["temp"] for s in training["distill_settings"]] == [0.0, 0.7]
     result = run_cli("generate", "--drafter", tmp_path / "drafter", "--prompt", "Say hi.", "--max-tokens", 8)
     assert result.returncode == 0 and result.stdout.strip(), result.stderr
     assert_clean_error(run_cli(*train[:4], tmp_path / "greedy", *train[5:]), "given twice")
     assert_clean_error(run_cli(*train[:4], tmp_path, *train[5:]), "not a distillation data folder")
+    greedy_samples = run_cli("distill", "--prompts", prompts, "--output", tmp_path / "new", "--samples", 2)
+    assert_clean_error(greedy_samples, "--samples above 1 needs --temp above 0")
+    assert not (tmp_path / "new").exists()
 
 
 def test_bench_writes_json_and_plot(smol_drafter, tmp_path):

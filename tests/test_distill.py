@@ -9,8 +9,8 @@ from conftest import tiny_model
 
 from redrafter_mlx.base_model import BaseModel
 from redrafter_mlx.distill import DataFolder, distill, response_stream
-from redrafter_mlx.generate import greedy
 from redrafter_mlx.prompts import read_prompts
+from redrafter_mlx.sampling import SamplingSettings
 from redrafter_mlx.errors import UserError
 
 PROMPTS = ["hello there", "a", "what is two plus two?", "xyz" * 7, "tell me a story", "ok", "1 2 3 4 5"]
@@ -25,13 +25,13 @@ def base():
     return BaseModel(tiny_model("llama", seed=3))
 
 
-def generator(base, max_tokens=20, eos=(7,)):
-    return response_stream(base, max_tokens, greedy, eos)
+def generator(base, max_tokens=20, eos=(7,), sampling=SamplingSettings()):
+    return response_stream(base, max_tokens, sampling, eos)
 
 
-def run(base, folder, prompts=PROMPTS, batch_size=3, generate=None):
+def run(base, folder, prompts=PROMPTS, batch_size=3, generate=None, samples=1):
     generate = generate or generator(base)
-    return distill(base, tokenize, prompts, DataFolder(folder), {"max_tokens": 20}, generate, batch_size, shard_size=3, progress=False)
+    return distill(base, tokenize, prompts, DataFolder(folder), {"max_tokens": 20}, generate, batch_size, samples, shard_size=3, progress=False)
 
 
 def sequences_by_prompt(folder):
@@ -47,7 +47,7 @@ def test_batched_output_equals_single_prompt_generation_and_is_deterministic(bas
     assert sorted(batched) == list(range(len(PROMPTS)))
     generate = generator(base)
     for i, prompt in enumerate(PROMPTS):
-        ((_, response, hidden),) = generate([tokenize(prompt)], 1)
+        ((_, response, hidden),) = generate([tokenize(prompt)], 1, [0])
         assert batched[i] == tokenize(prompt) + response
         assert hidden.shape == (len(response), 64)
     lengths = {len(s) - len(tokenize(PROMPTS[i])) for i, s in batched.items()}
@@ -57,8 +57,8 @@ def test_batched_output_equals_single_prompt_generation_and_is_deterministic(bas
 def test_interrupted_run_resumes_without_redoing_prompts(base, tmp_path):
     generate = generator(base)
 
-    def interrupted(prompts, batch_size):
-        for count, result in enumerate(generate(prompts, batch_size)):
+    def interrupted(prompts, batch_size, samples):
+        for count, result in enumerate(generate(prompts, batch_size, samples)):
             if count == 4:
                 raise KeyboardInterrupt
             yield result
@@ -67,9 +67,45 @@ def test_interrupted_run_resumes_without_redoing_prompts(base, tmp_path):
         run(base, tmp_path / "d", generate=interrupted)
     assert len(DataFolder(tmp_path / "d").shards()) == 1  # 3 of the 4 finished were flushed
     totals = run(base, tmp_path / "d")
-    assert totals["new_prompts"] == len(PROMPTS) - 3
+    assert totals["new_responses"] == len(PROMPTS) - 3
     run(base, tmp_path / "full")
     assert sequences_by_prompt(tmp_path / "d") == sequences_by_prompt(tmp_path / "full")
+
+
+def test_several_sampled_responses_per_prompt_resume_and_are_reproducible(base, tmp_path):
+    sampled = generator(base, eos=(), sampling=SamplingSettings(temp=1.0, seed=3))
+
+    def interrupted(prompts, batch_size, samples):
+        for count, result in enumerate(sampled(prompts, batch_size, samples)):
+            if count == 7:
+                raise KeyboardInterrupt
+            yield result
+
+    with pytest.raises(KeyboardInterrupt):
+        run(base, tmp_path / "d", generate=interrupted, samples=3)
+    totals = run(base, tmp_path / "d", generate=sampled, samples=3)
+    assert totals["new_responses"] == 3 * len(PROMPTS) - 6 and totals["responses"] == 3 * len(PROMPTS)
+    run(base, tmp_path / "other-batches", generate=sampled, samples=3, batch_size=5)
+
+    def responses(folder):
+        by_unit = {}
+        for shard in DataFolder(folder).shards():
+            with np.load(shard) as f:
+                ends = np.cumsum(f["lengths"])
+                for i, k, end, n in zip(f["prompt_index"].tolist(), f["sample"].tolist(), ends, f["lengths"]):
+                    by_unit[i, k] = f["tokens"][end - n : end].tolist()
+        return by_unit
+
+    interrupted_run, other = responses(tmp_path / "d"), responses(tmp_path / "other-batches")
+    assert sorted(interrupted_run) == [(i, k) for i in range(len(PROMPTS)) for k in range(3)]
+    assert interrupted_run == other  # a response depends only on its prompt, sample number and seed
+    for i in range(len(PROMPTS)):
+        assert len({tuple(interrupted_run[i, k]) for k in range(3)}) == 3  # different samples
+    # The first sample is what a one-response run gives.
+    run(base, tmp_path / "single", generate=sampled)
+    assert sequences_by_prompt(tmp_path / "single") == {i: interrupted_run[i, 0] for i in range(len(PROMPTS))}
+    with pytest.raises(UserError, match="different settings"):
+        run(base, tmp_path / "single", generate=sampled, samples=2)
 
 
 def test_out_of_disk_keeps_written_shards(base, tmp_path, monkeypatch):

@@ -181,13 +181,13 @@ def test_resuming_from_a_checkpoint_continues_with_identical_loss(setup, tmp_pat
 
 def test_hidden_states_saved_by_distill_equal_recomputed_ones(tmp_path):
     from redrafter_mlx.distill import distill, response_stream
-    from redrafter_mlx.generate import greedy
+    from redrafter_mlx.sampling import SamplingSettings
 
     base = BaseModel(tiny_model("llama", seed=6))
     prompts = ["abc", "hello world", "x", "a longer prompt here"]
     folder = DataFolder(str(tmp_path / "d"))
     tokenize = lambda text: [ord(c) % 256 for c in text]
-    distill(base, tokenize, prompts, folder, {}, response_stream(base, 12, greedy, [7]), 3, shard_size=2, progress=False)
+    distill(base, tokenize, prompts, folder, {}, response_stream(base, 12, SamplingSettings(), [7]), 3, shard_size=2, progress=False)
     assert len(list(folder.path.glob("hidden-*.npy"))) == 2
     sequences = folder.load()
     saved = np.array(compute_hidden_cache(base, folder, sequences, progress=False))

@@ -1,0 +1,71 @@
+"""Greedy ReDrafter generation replayed on distilled data, without the base
+model.
+
+A greedy distillation folder holds the base model's greedy continuation of
+every prompt and the hidden state behind each token: all that greedy
+verification would compute. At every position the drafter's beams are
+searched from the cached hidden state and the longest beam prefix that
+matches the sequence is accepted; walking each sequence step by step as
+generation does gives the number of steps, hence tokens per step. It differs
+from a real run only where a float16 cached hidden state breaks a tie
+differently, so it measures a drafter on a whole evaluation set in minutes.
+"""
+
+from typing import Optional
+
+import mlx.core as mx
+import numpy as np
+
+from .beam_search import beam_search
+
+
+def accepted_lengths(drafter, embed, hidden: np.ndarray, windows: np.ndarray, width: int, batch_size: int = 2048) -> np.ndarray:
+    """Drafts accepted at each position.
+
+    hidden: (R, hidden_size) h[t]; windows: (R, length) x[t+1] .. x[t+length],
+    -1 past the end of the sequence. x[t+1] is the token the base model has
+    just chosen; beams of ``width`` x ``length`` start from it. Returns (R,)
+    the longest match of a beam's drafts with x[t+2] ...
+    """
+    length = windows.shape[1]
+    out = []
+    for start in range(0, len(windows), batch_size):
+        h = mx.array(hidden[start : start + batch_size].astype(np.float32))
+        window = mx.array(windows[start : start + batch_size])
+        beams, _ = beam_search(drafter, embed, h, window[:, 0], width, length)  # (R, width, length)
+        matches = beams[:, :, 1:] == window[:, None, 1:]
+        prefix = mx.cumprod(matches.astype(mx.int32), axis=-1).sum(-1)
+        out.append(np.array(prefix.max(-1)))
+    return np.concatenate(out)
+
+
+def in_vocabulary_lengths(windows: np.ndarray, draft_token_ids: np.ndarray, vocab_size: int) -> np.ndarray:
+    """(R,) drafts a drafter would get accepted if it were right about every
+    token in its draft vocabulary: the run of x[t+2] ... inside it."""
+    in_vocab = np.zeros(vocab_size + 1, bool)  # the extra last entry stands for -1, the end
+    in_vocab[draft_token_ids] = True
+    return np.cumprod(in_vocab[windows[:, 1:]], axis=-1).sum(-1)
+
+
+def count_steps(accepted: np.ndarray, counts: np.ndarray) -> int:
+    """Steps to generate every sequence, as generation counts them.
+
+    accepted: (R,) per position, the sequences' positions back to back;
+    counts: (S,) positions (response tokens) per sequence. The prefill
+    chooses the first response token; from then on a step that accepts a
+    drafts adds a + 1 tokens, until the sequence is complete.
+    """
+    steps, start = 0, 0
+    for n in counts:
+        t = 0  # response tokens after the first
+        while t < n - 1:
+            t += int(accepted[start + t]) + 1
+            steps += 1
+        start += n
+    return steps
+
+
+def tokens_per_step(accepted: np.ndarray, counts: np.ndarray) -> Optional[float]:
+    """Mean tokens per step (accepted + bonus) over the sequences."""
+    steps = count_steps(accepted, counts)
+    return float(np.maximum(counts - 1, 0).sum() / steps) if steps else None

@@ -1,0 +1,60 @@
+"""Replayed greedy generation: the step counts of real generation, from
+distilled data alone."""
+
+import numpy as np
+import pytest
+from conftest import OracleDrafter, tiny_model
+
+from redrafter_mlx.base_model import BaseModel
+from redrafter_mlx.distill import DataFolder, distill, response_stream
+from redrafter_mlx.generate import ReDrafter, generate_steps
+from redrafter_mlx.replay import accepted_lengths, count_steps, in_vocabulary_lengths, tokens_per_step
+from redrafter_mlx.sampling import SamplingSettings
+from redrafter_mlx.train import build_positions, cached_positions, compute_hidden_cache
+
+PROMPTS = [[5, 17, 42, 99, 3], [250, 7, 18], [1, 2, 3, 4, 5, 6, 7, 8, 9], [77, 66]]
+
+
+def test_count_steps_by_hand():
+    # 5 response tokens: the prefill makes the first; steps accepting 1 draft
+    # add 2 tokens each (t = 0 -> 2 -> 4): 2 steps. Then 3 tokens, accepting 0.
+    accepted = np.array([1, 9, 1, 9, 9, 0, 0, 0])
+    assert count_steps(accepted, np.array([5, 3])) == 4
+    assert tokens_per_step(accepted, np.array([5, 3])) == pytest.approx(6 / 4)
+    assert count_steps(np.array([4, 4, 4]), np.array([3])) == 1  # the last step is cut by the end
+
+
+def test_in_vocabulary_lengths():
+    windows = np.array([[9, 1, 2, 3], [1, 1, 5, 2], [2, 3, -1, -1], [1, 2, 3, 4]])
+    lengths = in_vocabulary_lengths(windows, np.array([1, 2, 3, 9]), vocab_size=10)
+    # x[t+1] (first column) is the base model's own token: never counted.
+    np.testing.assert_array_equal(lengths, [3, 1, 1, 2])
+
+
+@pytest.mark.parametrize("shape", [(1, 3), (4, 5)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_replay_takes_as_many_steps_as_real_generation(tmp_path, shape):
+    width, length = shape
+    base = BaseModel(tiny_model("llama", seed=5))
+    folder = DataFolder(tmp_path / "data")
+    distill(base, list, PROMPTS, folder, {"max_tokens": 30}, response_stream(base, 30, SamplingSettings(), ()), batch_size=2, progress=False)
+    sequences = folder.load()
+    # A drafter right up to a pseudo-random depth at each position.
+    drafter = OracleDrafter(base, [sequences.sequence(i).tolist() for i in range(len(sequences))], corrupt=length)
+    hidden = compute_hidden_cache(base, folder, sequences, progress=False)
+    positions = build_positions(sequences, length - 1, eval_fraction=0)
+    counts = cached_positions(sequences)
+    accepted = accepted_lengths(drafter, base.embed, hidden[positions.hidden_row], positions.tokens, width)
+    assert len(set(accepted.tolist())) > 2
+
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    redrafter = ReDrafter(base, drafter)
+    for i in range(len(sequences)):
+        prompt_length = int(sequences.prompt_lengths[i])
+        sequence = sequences.sequence(i).tolist()
+        tokens, steps = [], 0
+        for step in generate_steps(redrafter, [sequence[:prompt_length]], max_tokens=int(counts[i]), beam_width=width, beam_length=length):
+            tokens += step[0].tokens
+            steps += step[0].num_accepted is not None
+        assert tokens == sequence[prompt_length:]
+        replayed = count_steps(accepted[starts[i] : starts[i] + counts[i]], counts[i : i + 1])
+        assert replayed == steps, i
