@@ -1,9 +1,11 @@
 """Greedy tokens per step of a drafter, replayed on a greedy distillation
 folder without running the base model (``redrafter_mlx/replay.py``). Only
 sequences held out from training are used (the trainer's rule), unless
-``--all``. With a reduced draft vocabulary it also gives the tokens per step
-of a drafter that is right about every token in its vocabulary: the ceiling
-that vocabulary puts on any drafter.
+``--all``. It also gives the drafter's teacher-forced top-1 accuracy at each
+depth over every target (one outside a reduced draft vocabulary counts as a
+miss) and, with a reduced draft vocabulary, the tokens per step of a drafter
+that is right about every token in its vocabulary: the ceiling that
+vocabulary puts on any drafter.
 
     python bench/replay_acceptance.py --drafter DRAFTER --data data/distill-smollm2-135m --shapes 1x5,4x5
 """
@@ -13,6 +15,7 @@ import json
 
 import redrafter_mlx  # noqa: F401  (preloads OpenBLAS before mlx.core)
 
+import mlx.core as mx
 import numpy as np
 
 from redrafter_mlx.base_model import BaseModel
@@ -21,7 +24,24 @@ from redrafter_mlx.drafter import load_drafter
 from redrafter_mlx.errors import UserError
 from redrafter_mlx.loading import load_base_model
 from redrafter_mlx.replay import accepted_lengths, in_vocabulary_lengths, tokens_per_step
-from redrafter_mlx.train import TrainConfig, build_positions, cached_positions, compute_hidden_cache
+from redrafter_mlx.train import TrainConfig, build_positions, cached_positions, compute_hidden_cache, drafter_loss
+
+
+def teacher_forced_accuracy(drafter, draft_token_ids, embed, hidden, windows, vocab_size, batch_size=2048):
+    """(T,) top-1 accuracy at depths 1..T, T = windows' width - 1, over every
+    target x[t+2] .. x[t+T+1] that exists."""
+    to_draft = np.arange(vocab_size + 1, dtype=np.int32)
+    if draft_token_ids is not None:
+        to_draft[:] = -1
+        to_draft[np.array(draft_token_ids)] = np.arange(draft_token_ids.size, dtype=np.int32)
+    to_draft[-1] = -1  # windows hold -1 past the end
+    correct, targets = 0, (windows[:, 1:] >= 0).sum(0)
+    for start in range(0, len(windows), batch_size):
+        window = windows[start : start + batch_size]
+        h = mx.array(hidden[start : start + batch_size].astype(np.float32))
+        _, hits, _ = drafter_loss(drafter, embed, h, mx.array(window[:, :-1]), mx.array(to_draft[window[:, 1:]]))
+        correct = correct + np.array(hits)
+    return (correct / np.maximum(targets, 1)).round(4).tolist()
 
 
 def main():
@@ -43,19 +63,22 @@ def main():
     hidden = compute_hidden_cache(base, folder, sequences, progress=False)
     shapes = [tuple(map(int, shape.split("x"))) for shape in args.shapes.split(",")]
     longest = max(length for _, length in shapes)
-    positions = build_positions(sequences, longest - 1, TrainConfig().eval_fraction)
+    config = TrainConfig()
+    positions = build_positions(sequences, max(longest - 1, config.depth), config.eval_fraction)
     counts = cached_positions(sequences)  # positions, i.e. response tokens, per sequence
     first_row = np.concatenate([[0], np.cumsum(counts)[:-1]])
     # A sequence is held out when its positions are (the trainer's rule).
     keep = np.ones(len(counts), bool) if args.all else (counts > 0) & positions.held_out[np.minimum(first_row, len(positions.held_out) - 1)]
     rows = np.concatenate([np.arange(first_row[i], first_row[i] + counts[i]) for i in np.flatnonzero(keep)])
     result = {"drafter": args.drafter, "sequences": int(keep.sum()), "tokens": int(counts[keep].sum())}
-    windows = positions.tokens[rows]
-    if drafter.draft_token_ids is not None:
-        bound = in_vocabulary_lengths(windows, np.array(drafter.draft_token_ids), base.vocab_size)
+    windows, row_hidden = positions.tokens[rows], hidden[positions.hidden_row[rows]]
+    draft_token_ids = getattr(drafter, "draft_token_ids", None)
+    result["accuracy"] = teacher_forced_accuracy(drafter, draft_token_ids, base.embed, row_hidden, windows, base.vocab_size)
+    if draft_token_ids is not None:
+        bound = in_vocabulary_lengths(windows[:, :longest], np.array(draft_token_ids), base.vocab_size)
         result[f"draft_vocab_ceiling_x{longest}"] = round(tokens_per_step(bound, counts[keep]), 3)
     for width, length in shapes:
-        accepted = accepted_lengths(drafter, base.embed, hidden[positions.hidden_row[rows]], windows[:, :length], width)
+        accepted = accepted_lengths(drafter, base.embed, row_hidden, windows[:, :length], width)
         result[f"{width}x{length}"] = round(tokens_per_step(accepted, counts[keep]), 3)
         print(json.dumps(result), flush=True)
 
