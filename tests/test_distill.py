@@ -34,6 +34,18 @@ def run(base, folder, prompts=PROMPTS, batch_size=3, generate=None, samples=1):
     return distill(base, tokenize, prompts, DataFolder(folder), {"max_tokens": 20}, generate, batch_size, samples, shard_size=3, progress=False)
 
 
+def interrupted_after(finished, generate):
+    """``generate`` stopped by Ctrl-C once ``finished`` responses are out."""
+
+    def interrupted(prompts, batch_size, samples):
+        for count, result in enumerate(generate(prompts, batch_size, samples)):
+            if count == finished:
+                raise KeyboardInterrupt
+            yield result
+
+    return interrupted
+
+
 def sequences_by_prompt(folder):
     data = DataFolder(folder).load()
     return {int(data.prompt_index[i]): data.sequence(i).tolist() for i in range(len(data))}
@@ -57,14 +69,8 @@ def test_batched_output_equals_single_prompt_generation_and_is_deterministic(bas
 def test_interrupted_run_resumes_without_redoing_prompts(base, tmp_path):
     generate = generator(base)
 
-    def interrupted(prompts, batch_size, samples):
-        for count, result in enumerate(generate(prompts, batch_size, samples)):
-            if count == 4:
-                raise KeyboardInterrupt
-            yield result
-
     with pytest.raises(KeyboardInterrupt):
-        run(base, tmp_path / "d", generate=interrupted)
+        run(base, tmp_path / "d", generate=interrupted_after(4, generate))
     assert len(DataFolder(tmp_path / "d").shards()) == 1  # 3 of the 4 finished were flushed
     totals = run(base, tmp_path / "d")
     assert totals["new_responses"] == len(PROMPTS) - 3
@@ -75,14 +81,8 @@ def test_interrupted_run_resumes_without_redoing_prompts(base, tmp_path):
 def test_several_sampled_responses_per_prompt_resume_and_are_reproducible(base, tmp_path):
     sampled = generator(base, eos=(), sampling=SamplingSettings(temp=1.0, seed=3))
 
-    def interrupted(prompts, batch_size, samples):
-        for count, result in enumerate(sampled(prompts, batch_size, samples)):
-            if count == 7:
-                raise KeyboardInterrupt
-            yield result
-
     with pytest.raises(KeyboardInterrupt):
-        run(base, tmp_path / "d", generate=interrupted, samples=3)
+        run(base, tmp_path / "d", generate=interrupted_after(7, sampled), samples=3)
     totals = run(base, tmp_path / "d", generate=sampled, samples=3)
     assert totals["new_responses"] == 3 * len(PROMPTS) - 6 and totals["responses"] == 3 * len(PROMPTS)
     run(base, tmp_path / "other-batches", generate=sampled, samples=3, batch_size=5)
