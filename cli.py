@@ -197,9 +197,9 @@ def bench(
     from mlx_lm.sample_utils import make_sampler
 
     from redrafter_mlx.api import encode_prompt
-    from redrafter_mlx.bench import DEFAULT_PROMPTS, environment, format_table, plot_heatmap, report, run_benchmark
+    from redrafter_mlx.bench import DEFAULT_PROMPTS, environment, format_table, plot_heatmap, report, run_benchmark, weights_digest
     from redrafter_mlx.generate import check_settings
-    from redrafter_mlx.loading import load
+    from redrafter_mlx.loading import default_drafter_path, load
     from redrafter_mlx.prompts import read_prompts
 
     widths, lengths = _int_list(beam_widths, "--beam-widths"), _int_list(beam_lengths, "--beam-lengths")
@@ -231,7 +231,8 @@ def bench(
     mismatched = [f"{r.beam_width}x{r.beam_length}" for r in results if r.mismatches]
     if mismatched:
         typer.echo(f"WARNING: greedy ReDrafter output differs from autoregressive output for beam shapes {', '.join(mismatched)}", err=True)
-    settings = dict(model=model or "default", drafter=drafter or "default", prompts=prompts_file or "built-in", every=every, num_prompts=len(prompts),
+    settings = dict(model=model or "default", drafter=drafter or "default", drafter_sha256=weights_digest(drafter or default_drafter_path(model)),
+                    prompts=prompts_file or "built-in", every=every, num_prompts=len(prompts),
                     max_tokens=max_tokens, temp=temp, top_p=top_p, seed=seed, batch_size=batch_size, repeats=repeats)
     if json_out:
         with open(json_out, "w") as f:

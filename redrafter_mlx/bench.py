@@ -5,10 +5,12 @@ Batch size 1 uses mlx-lm's own generation loop as the baseline; larger
 batches use this project's batched autoregressive loop (same cache).
 """
 
+import hashlib
 import platform
 import statistics
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Optional
 
 import mlx.core as mx
@@ -175,6 +177,12 @@ def environment(dtype: str) -> dict:
         "mlx": mx.__version__,
         "mlx_lm": mlx_lm.__version__,
     }
+
+
+def weights_digest(drafter_folder: str) -> str:
+    """The first 16 hex digits of the SHA-256 of a drafter's weights, so that
+    a saved result names the exact drafter it measured."""
+    return hashlib.sha256((Path(drafter_folder) / "model.safetensors").read_bytes()).hexdigest()[:16]
 
 
 def format_table(results: list[ShapeResult]) -> str:

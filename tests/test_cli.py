@@ -1,8 +1,10 @@
 """The redrafter-mlx command line, run as a user runs it, on the embedded
 default model (SmolLM2-135M-Instruct)."""
 
+import hashlib
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 from conftest import run_cli
@@ -158,6 +160,8 @@ def test_bench_writes_json_and_plot(smol_drafter, tmp_path):
     assert {"environment", "settings", "results"} <= set(report)
     assert report["environment"]["mlx"] and report["environment"]["dtype"] == "float32"
     assert report["settings"]["every"] == 3 and report["settings"]["num_prompts"] == 1
+    weights = (Path(smol_drafter) / "model.safetensors").read_bytes()
+    assert report["settings"]["drafter_sha256"] == hashlib.sha256(weights).hexdigest()[:16]
     assert [(r["beam_width"], r["beam_length"]) for r in report["results"]] == [(1, 2), (2, 2)]
     for r in report["results"]:
         assert r["greedy_mismatches"] == 0 and r["baseline_tps"] > 0 and r["tokens_per_step"] >= 1
