@@ -24,22 +24,20 @@ from redrafter_mlx.drafter import load_drafter
 from redrafter_mlx.errors import UserError
 from redrafter_mlx.loading import load_base_model
 from redrafter_mlx.replay import accepted_lengths, in_vocabulary_lengths, tokens_per_step
-from redrafter_mlx.train import TrainConfig, build_positions, cached_positions, compute_hidden_cache, drafter_loss
+from redrafter_mlx.train import (
+    TrainConfig, build_positions, cached_positions, compute_hidden_cache, draft_index_map, draft_targets, drafter_loss,
+)
 
 
 def teacher_forced_accuracy(drafter, draft_token_ids, embed, hidden, windows, vocab_size, batch_size=2048):
     """(T,) top-1 accuracy at depths 1..T, T = windows' width - 1, over every
     target x[t+2] .. x[t+T+1] that exists."""
-    to_draft = np.arange(vocab_size + 1, dtype=np.int32)
-    if draft_token_ids is not None:
-        to_draft[:] = -1
-        to_draft[np.array(draft_token_ids)] = np.arange(draft_token_ids.size, dtype=np.int32)
-    to_draft[-1] = -1  # windows hold -1 past the end
+    to_draft = draft_index_map(vocab_size, draft_token_ids)
     correct, targets = 0, (windows[:, 1:] >= 0).sum(0)
     for start in range(0, len(windows), batch_size):
         window = windows[start : start + batch_size]
         h = mx.array(hidden[start : start + batch_size].astype(np.float32))
-        _, hits, _ = drafter_loss(drafter, embed, h, mx.array(window[:, :-1]), mx.array(to_draft[window[:, 1:]]))
+        _, hits, _ = drafter_loss(drafter, embed, h, mx.array(window[:, :-1]), mx.array(draft_targets(to_draft, window[:, 1:])))
         correct = correct + np.array(hits)
     return (correct / np.maximum(targets, 1)).round(4).tolist()
 

@@ -245,6 +245,22 @@ def drafter_loss(
     return loss, mx.stack(correct), mx.stack(counted)
 
 
+def draft_index_map(vocab_size: int, draft_token_ids: Optional[np.ndarray]) -> np.ndarray:
+    """(vocab_size,) each token id's index in the draft vocabulary, -1
+    outside it; the identity without a reduced draft vocabulary."""
+    if draft_token_ids is None:
+        return np.arange(vocab_size, dtype=np.int32)
+    to_draft = np.full(vocab_size, -1, np.int32)
+    to_draft[np.asarray(draft_token_ids)] = np.arange(len(draft_token_ids), dtype=np.int32)
+    return to_draft
+
+
+def draft_targets(to_draft: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+    """Token ids (-1 past the end of a sequence) as draft indices; -1, never
+    counted as a target, past the end or outside the draft vocabulary."""
+    return np.where(tokens >= 0, to_draft[np.maximum(tokens, 0)], -1)
+
+
 class Trainer:
     """Holds the drafter, optimizer, data and step counter; resumable."""
 
@@ -265,12 +281,9 @@ class Trainer:
         )
         mx.random.seed(config.seed)
         self.drafter = Drafter(args)
-        # Token id -> draft index (-1 outside the draft vocabulary).
-        self.to_draft = np.arange(base.vocab_size, dtype=np.int32)
+        self.to_draft = draft_index_map(base.vocab_size, draft_token_ids)
         if draft_token_ids is not None:
             self.drafter.draft_token_ids = mx.array(draft_token_ids)
-            self.to_draft = np.full(base.vocab_size, -1, np.int32)
-            self.to_draft[draft_token_ids] = np.arange(len(draft_token_ids), dtype=np.int32)
         if config.dtype == "bfloat16":
             self.drafter.set_dtype(mx.bfloat16)  # floating arrays only: token ids stay int32
         if draft_token_ids is not None:
@@ -320,7 +333,7 @@ class Trainer:
         hidden_rows = self.positions.hidden_row[rows]
         hidden = mx.array(self.hidden_cache[hidden_rows].astype(np.float32))
         window = self.positions.tokens[rows]
-        targets = np.where(window[:, 1:] >= 0, self.to_draft[np.maximum(window[:, 1:], 0)], -1)
+        targets = draft_targets(self.to_draft, window[:, 1:])
         arrays = (hidden, mx.array(window[:, :-1]), mx.array(targets))
         if self.teacher_head is None:
             return arrays
