@@ -52,7 +52,7 @@ TOP_P = typer.Option(1.0, "--top-p", help="Nucleus sampling: keep the most likel
 TOP_K = typer.Option(0, "--top-k", help="Keep only the k most likely tokens; 0 keeps all.")
 MIN_P = typer.Option(0.0, "--min-p", help="Drop tokens less likely than min-p times the most likely one; 0 keeps all.")
 REPETITION_PENALTY = typer.Option(None, "--repetition-penalty", help="Penalty > 1 for tokens among the last 20; off by default.")
-SEED = typer.Option(0, "--seed", help="Random seed; the same seed gives the same output, in a batch or alone.")
+SEED = typer.Option(0, "--seed", help="Random seed. Line i of --prompts samples with its own seed, derived from (seed, i), so copies of a prompt draw independently and a line's output does not depend on --batch-size.")
 
 
 def _dtype(value: Optional[str]) -> Optional[str]:

@@ -161,7 +161,9 @@ def batch_generate(
 ) -> list[BatchResult]:
     """Generate for many prompts, ``batch_size`` at a time (left-padded;
     rows advance by their own accepted lengths and leave the batch when they
-    finish). Results come back in input order."""
+    finish). Results come back in input order. Sampled, the prompt at index
+    i of ``prompts`` draws with its own seed (``SamplingSettings``), whatever
+    the batch size."""
     if batch_size < 1:
         raise ValueError("batch_size must be at least 1")
     encoded = [encode_prompt(tokenizer, p, chat_template) for p in prompts]
@@ -179,6 +181,7 @@ def batch_generate(
             beam_length=beam_length,
             choose=choose,
             eos_token_ids=tokenizer.eos_token_ids,
+            row_ids=range(start, start + len(chunk)),
         ):
             for out in outputs:
                 tokens[out.row] += out.tokens

@@ -105,10 +105,13 @@ class RowTracker:
 
     rows: input index of each active batch row, in batch order.
     context: per input prompt, the prompt followed by its emitted tokens.
+    ids: per input prompt, its index in the caller's whole input list
+        (``TokenHistory.rows``), which per-prompt sampling seeds follow.
     """
 
-    def __init__(self, prompts: Sequence[Sequence[int]], max_tokens: int, eos_token_ids: Sequence[int], rows=None):
+    def __init__(self, prompts: Sequence[Sequence[int]], max_tokens: int, eos_token_ids: Sequence[int], rows=None, ids=None):
         self.rows = list(range(len(prompts))) if rows is None else list(rows)
+        self.ids = list(range(len(prompts))) if ids is None else list(ids)
         self.context = [list(p) for p in prompts]
         self.produced = [0] * len(prompts)
         self.max_tokens = max_tokens
@@ -116,9 +119,10 @@ class RowTracker:
 
     def history(self, tree: Optional[Tree] = None) -> TokenHistory:
         context = [self.context[r] for r in self.rows]
+        ids = [self.ids[r] for r in self.rows]
         if tree is None:
-            return TokenHistory(self.rows, context)
-        return TokenHistory(self.rows, context, tree.tokens, tree.mask, tree.depths)
+            return TokenHistory(ids, context)
+        return TokenHistory(ids, context, tree.tokens, tree.mask, tree.depths)
 
     def emit(self, tokens_per_row: list, num_accepted: Optional[list] = None) -> list[StepOutput]:
         """Record each active row's new tokens, cut at EOS and max_tokens."""
@@ -193,10 +197,13 @@ def generate_steps(
     eos_token_ids: Sequence[int] = (),
     prefill_step_size: int = PREFILL_STEP_SIZE,
     timing: Optional[StepTiming] = None,
+    row_ids: Optional[Sequence[int]] = None,
 ) -> Iterator[list[StepOutput]]:
     """Generate for a batch of tokenized prompts; yields, after the prefill
     and after each verification step, one ``StepOutput`` per active row.
-    Rows that finish leave the batch.
+    Rows that finish leave the batch. ``row_ids`` give each prompt's index in
+    the caller's whole input list (default 0, 1, ...): ``choose`` sees them,
+    so a prompt's sampling seed does not depend on the batch it runs in.
 
     With ``timing`` given, phases are synchronised separately and their
     seconds added to it (for benchmarks; it costs extra syncs).
@@ -206,7 +213,7 @@ def generate_steps(
     check_prompts(base, prompts)
     if max_tokens == 0:
         return
-    tracker = RowTracker(prompts, max_tokens, eos_token_ids)
+    tracker = RowTracker(prompts, max_tokens, eos_token_ids, ids=row_ids)
     sync = _Sync(timing)
 
     layout, cache, hidden, logits = prefill(base, prompts, prefill_step_size)

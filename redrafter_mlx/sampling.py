@@ -32,8 +32,8 @@ class SamplingSettings:
     repetition_penalty: Optional[float] = None
     repetition_context_size: int = 20
     logit_bias: dict = field(default_factory=dict)
-    seed: int = 0
-    row_seeds: Optional[list] = None  # a seed per prompt of a batch, instead of `seed`
+    seed: int = 0  # the prompt at index i of the input list samples with row_seed(seed, i)
+    row_seeds: Optional[list] = None  # a seed per prompt of the input list, instead of `seed`
 
     def __post_init__(self):
         if self.temp < 0:
@@ -48,6 +48,21 @@ class SamplingSettings:
             raise UserError(f"repetition penalty must be > 0, got {self.repetition_penalty}")
         if self.repetition_context_size < 1:
             raise UserError(f"repetition context size must be >= 1, got {self.repetition_context_size}")
+
+
+MASK64 = (1 << 64) - 1
+
+
+def row_seed(seed: int, index: int) -> int:
+    """The seed of the prompt at ``index`` of an input list (a batch, a
+    prompts file) sampled with ``seed``: a 64-bit mix of both (splitmix64's
+    finaliser over seed + index * 2**64 / golden ratio), so that copies of
+    one prompt draw independent samples, while each prompt's tokens depend
+    only on (seed, index), never on the batch it ran in."""
+    x = (seed + (index + 1) * 0x9E3779B97F4A7C15) & MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & MASK64
+    return x ^ (x >> 31)
 
 
 def _mix(x: mx.array) -> mx.array:
@@ -70,8 +85,19 @@ def gumbel_noise(seeds: list, positions: mx.array, vocab_size: int) -> mx.array:
     key = _mix(_mix(low + mx.array(0x9E3779B9, mx.uint32)) ^ high)[:, None, None]
     x = _mix(key ^ _mix(positions.astype(mx.uint32)[..., None] * mx.array(0x27D4EB2F, mx.uint32) + 1))
     x = _mix(x ^ (vocab * mx.array(0x165667B1, mx.uint32)))
-    uniform = ((x >> 8).astype(mx.float32) + 0.5) / float(1 << 24)  # in (0, 1)
-    return -mx.log(-mx.log(uniform))
+    return -mx.log(-mx.log(open_uniform(x)))
+
+
+def open_uniform(bits: mx.array) -> mx.array:
+    """uint32 hash values -> float32 uniforms strictly inside (0, 1).
+
+    Only the top 23 bits are used: (k + 0.5) / 2**23 for k < 2**23 is exact
+    in float32 (float32 has 24 significant bits), from 2**-24 up to
+    1 - 2**-24. With 24 bits the largest value, (2**24 - 0.5) / 2**24, is
+    not a float32 and rounds to 1.0: its Gumbel noise is +inf, and that
+    token wins whatever its probability, even a filtered one.
+    """
+    return ((bits >> 9).astype(mx.float32) + 0.5) / float(1 << 23)
 
 
 def history_windows(history: TokenHistory, size: int) -> mx.array:
@@ -116,6 +142,13 @@ def make_chooser(settings: SamplingSettings) -> Chooser:
     if settings.logit_bias:
         bias = (mx.array(list(settings.logit_bias)), mx.array(list(settings.logit_bias.values()), mx.float32))
 
+    def seed_of(row: int) -> int:
+        if settings.row_seeds is None:
+            return row_seed(settings.seed, row)
+        if row >= len(settings.row_seeds):
+            raise UserError(f"row_seeds holds {len(settings.row_seeds)} seeds, but prompt {row} is being sampled")
+        return settings.row_seeds[row]
+
     def choose(logits: mx.array, history: TokenHistory) -> mx.array:
         logits = logits.astype(mx.float32)
         if bias is not None:
@@ -132,7 +165,7 @@ def make_chooser(settings: SamplingSettings) -> Chooser:
         positions = mx.array([len(c) for c in history.context], mx.int32)[:, None]
         if history.node_depths is not None:
             positions = positions + history.node_depths
-        seeds = [settings.seed if settings.row_seeds is None else settings.row_seeds[r] for r in history.rows]
+        seeds = [seed_of(r) for r in history.rows]
         noise = gumbel_noise(seeds, mx.broadcast_to(positions, (batch, nodes)), vocab)
         return mx.argmax(logprobs.reshape(batch, nodes, vocab) / settings.temp + noise, axis=-1)
 

@@ -4,6 +4,7 @@ import redrafter_mlx  # noqa: F401  (preloads OpenBLAS before mlx.core)
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 import pytest
 from mlx_lm.models import gemma3_text, llama, qwen2
 
@@ -130,6 +131,98 @@ def run_cli(*args, input=None, timeout=600):
         [sys.executable, "-m", "redrafter_mlx.cli", *map(str, args)],
         input=input, capture_output=True, text=True, timeout=timeout, cwd=root, env=env,
     )
+
+
+CHAT_VOCAB = 512
+CHAT_PROMPT = "pick a word"
+CHAT_SETTINGS = [dict(temp=1.0, top_k=4), dict(temp=0.7, top_p=0.9)]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|> {{ m['role'] }} {{ m['content'] }} <|im_end|> {% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|> assistant {% endif %}"
+)
+
+
+def processed_probs(logits, settings):
+    """The distribution a token is sampled from, as mlx-lm defines it
+    (float64 numpy, over the vocabulary)."""
+    from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
+
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    if settings.get("top_p", 1.0) < 1.0:
+        logprobs = apply_top_p(logprobs, settings["top_p"])
+    if settings.get("min_p", 0.0) > 0.0:
+        logprobs = apply_min_p(logprobs, settings["min_p"])
+    if settings.get("top_k", 0) > 0:
+        logprobs = apply_top_k(logprobs, settings["top_k"])
+    probs = np.array(mx.softmax(logprobs / settings["temp"], axis=-1)).astype(np.float64)
+    return probs / probs.sum(axis=-1, keepdims=True)
+
+
+def save_word_tokenizer(folder, vocab_size: int) -> None:
+    """A word-level tokenizer with a chat template: words w0 .. w{n}, the
+    chat words and special tokens, split on white space."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    special = ["<unk>", "<|im_start|>", "<|im_end|>"]
+    words = special + ["user", "assistant", "system"] + CHAT_PROMPT.split()
+    words += [f"w{i}" for i in range(vocab_size - len(words))]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", bos_token="<|im_start|>", eos_token="<|im_end|>", chat_template=CHAT_TEMPLATE
+    )
+    hf.save_pretrained(folder)
+
+
+@pytest.fixture(scope="session")
+def chat_model(tmp_path_factory):
+    """A tiny random llama with a word-level tokenizer and a chat template,
+    saved as an mlx-lm folder, and a drafter folder whose draft vocabulary is
+    the tokens the model is likely to sample after ``CHAT_PROMPT`` (first
+    and second token, under ``CHAT_SETTINGS``), so its beams share prefixes
+    and are often accepted. The output head is scaled so that top-p keeps a
+    handful of tokens. Returns (model folder, drafter folder, prompt ids,
+    [(p1 (V,), {token: p2 (V,)}) per settings], {token: the drafter's
+    probability})."""
+    from mlx_lm.utils import load_tokenizer, save_config, save_model
+
+    from redrafter_mlx.api import encode_prompt
+    from redrafter_mlx.drafter import save_drafter
+
+    root = tmp_path_factory.mktemp("chat-model")
+    model = tiny_model("llama", seed=21, vocab=CHAT_VOCAB)
+    model.lm_head.weight = model.lm_head.weight * 16.0
+    save_model(root / "model", model)
+    save_config(dict(vars(model.args)), root / "model" / "config.json")
+    save_word_tokenizer(root / "model", CHAT_VOCAB)
+    tokenizer = load_tokenizer(root / "model")
+
+    prompt = encode_prompt(tokenizer, CHAT_PROMPT)
+    exact, likely = [], set()
+    for settings in CHAT_SETTINGS:
+        p1 = processed_probs(model(mx.array([prompt]))[0, -1], settings)
+        p2 = {int(a): processed_probs(model(mx.array([prompt + [int(a)]]))[0, -1], settings) for a in np.nonzero(p1)[0]}
+        exact.append((p1, p2))
+        likely |= set(p2) | {int(b) for p in p2.values() for b in np.nonzero(p)[0]}
+    assert not likely & set(tokenizer.eos_token_ids), "EOS would cut samples short; pick another seed"
+
+    # A context-free drafter: zero input projection, so the residual block
+    # outputs silu(1) everywhere and the vocab projection's row sums are its
+    # logits: log of how likely each token is as the second one.
+    likely = sorted(likely)
+    second = sum(p1[a] * p2[a] for p1, p2 in exact for a in p2)[likely]
+    drafter = Drafter(DrafterArgs(vocab_size=CHAT_VOCAB, hidden_size=HIDDEN, exit_dim=32, draft_vocab_size=len(likely)))
+    drafter.input_proj.weight = mx.zeros_like(drafter.input_proj.weight)
+    drafter.input_proj.bias = mx.zeros_like(drafter.input_proj.bias)
+    drafter.lm_head[0].linear.weight = mx.zeros_like(drafter.lm_head[0].linear.weight)
+    drafter.lm_head[0].linear.bias = mx.ones_like(drafter.lm_head[0].linear.bias)
+    preference = np.log(second + 1e-6).astype(np.float32)
+    drafter.lm_head[1].weight = mx.broadcast_to(mx.array(preference / (32 * float(nn.silu(mx.array(1.0)))))[:, None], (len(likely), 32))
+    drafter.draft_token_ids = mx.array(likely, mx.int32)
+    save_drafter(drafter, str(root / "drafter"))
+    draft_q = np.exp(preference - np.logaddexp.reduce(preference))
+    return str(root / "model"), str(root / "drafter"), prompt, exact, dict(zip(likely, draft_q))
 
 
 @pytest.fixture(scope="session")
