@@ -19,7 +19,7 @@ app = typer.Typer(
 )
 
 MODEL_HELP = "Model: mlx-lm / Hugging Face folder, Hub id, or .gguf file. Default: the embedded SmolLM2-135M-Instruct."
-DRAFTER_HELP = "Drafter folder (config.json + model.safetensors). Default: the drafter shipped for the default model."
+DRAFTER_HELP = "Drafter folder (config.json + model.safetensors), or 'none' for context lookup only. Default: the drafter shipped for this model (found by the model's identity), else context lookup only."
 DTYPE_HELP = "Keep the base model in this dtype: float32, float16, bfloat16, or 'native' for the file's own. Default: float32 on the CPU, native on Metal."
 
 
@@ -45,14 +45,44 @@ def _sampling(temp, top_p, top_k, min_p, repetition_penalty, seed):
 MODEL = typer.Option(None, "--model", "-m", help=MODEL_HELP)
 DRAFTER = typer.Option(None, "--drafter", "-d", help=DRAFTER_HELP)
 DTYPE = typer.Option(None, "--dtype", help=DTYPE_HELP)
-BEAM_WIDTH = typer.Option(4, "--beam-width", help="Beams drafted per step.")
-BEAM_LENGTH = typer.Option(5, "--beam-length", help="Tokens per beam, counting the last verified token (so beam_length - 1 drafted).")
+BEAM_WIDTH = typer.Option("auto", "--beam-width", help="Beams the RNN drafts per step; auto is 4.")
+BEAM_LENGTH = typer.Option("auto", "--beam-length", help="Tokens per beam, counting the last verified token (so beam_length - 1 drafted, by the RNN and by lookup); auto is 5.")
+MAX_NODES = typer.Option("auto", "--max-nodes", help="Drafted tree nodes verified per step; auto chooses them each step from this machine's measured cost of verification (0 is plain decoding).")
+NO_LOOKUP = typer.Option(False, "--no-lookup", help="Do not draft by context lookup (RNN only).")
+LOOKUP_MAX_NGRAM = typer.Option(3, "--lookup-max-ngram", help="Longest context suffix that context lookup matches.")
+LOOKUP_BEAMS = typer.Option(1, "--lookup-beams", help="Distinct context-lookup continuations proposed per step.")
 TEMP = typer.Option(0.0, "--temp", help="Sampling temperature; 0 is greedy.")
 TOP_P = typer.Option(1.0, "--top-p", help="Nucleus sampling: keep the most likely tokens up to this probability mass; 1 keeps all.")
 TOP_K = typer.Option(0, "--top-k", help="Keep only the k most likely tokens; 0 keeps all.")
 MIN_P = typer.Option(0.0, "--min-p", help="Drop tokens less likely than min-p times the most likely one; 0 keeps all.")
 REPETITION_PENALTY = typer.Option(None, "--repetition-penalty", help="Penalty > 1 for tokens among the last 20; off by default.")
 SEED = typer.Option(0, "--seed", help="Random seed. Line i of --prompts samples with its own seed, derived from (seed, i), so copies of a prompt draw independently and a line's output does not depend on --batch-size.")
+
+
+def _auto_int(value: str, name: str) -> Optional[int]:
+    if value == "auto":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        fail(f"{name} takes a whole number or 'auto', got {value!r}")
+
+
+def _draft(drafter, beam_width, beam_length, max_nodes, no_lookup, lookup_max_ngram, lookup_beams):
+    """DraftSettings from the command line; 'auto' is the default search."""
+    from redrafter_mlx.drafting import DraftSettings
+
+    width, length = _auto_int(beam_width, "--beam-width"), _auto_int(beam_length, "--beam-length")
+    if drafter == "none" and width is not None:
+        fail("--beam-width sets the RNN drafter's search; it does not go with --drafter none")
+    settings = DraftSettings(
+        beam_width=DraftSettings.beam_width if width is None else width,
+        beam_length=DraftSettings.beam_length if length is None else length,
+        max_nodes=_auto_int(max_nodes, "--max-nodes"), lookup=not no_lookup,
+        lookup_max_ngram=lookup_max_ngram, lookup_beams=lookup_beams,
+    )
+    settings.check()
+    return settings
 
 
 def _dtype(value: Optional[str]) -> Optional[str]:
@@ -75,8 +105,12 @@ def generate(
     min_p: float = MIN_P,
     repetition_penalty: Optional[float] = REPETITION_PENALTY,
     seed: int = SEED,
-    beam_width: int = BEAM_WIDTH,
-    beam_length: int = BEAM_LENGTH,
+    beam_width: str = BEAM_WIDTH,
+    beam_length: str = BEAM_LENGTH,
+    max_nodes: str = MAX_NODES,
+    no_lookup: bool = NO_LOOKUP,
+    lookup_max_ngram: int = LOOKUP_MAX_NGRAM,
+    lookup_beams: int = LOOKUP_BEAMS,
     ignore_chat_template: bool = typer.Option(False, "--ignore-chat-template", help="Encode the prompt as it is, without the chat template."),
     dtype: Optional[str] = DTYPE,
     quantize: Optional[int] = typer.Option(None, "--quantize", help="Re-quantize the base model to this many bits."),
@@ -89,18 +123,22 @@ def generate(
     from redrafter_mlx.prompts import read_prompts
 
     choose = _sampling(temp, top_p, top_k, min_p, repetition_penalty, seed)
-    check_settings(max_tokens, beam_width, beam_length)
+    draft = _draft(drafter, beam_width, beam_length, max_nodes, no_lookup, lookup_max_ngram, lookup_beams)
+    check_settings(max_tokens, draft)
     if batch_size < 1:
         fail(f"batch size must be at least 1, got {batch_size}")
     texts = read_prompts(prompts_file) if prompts_file else None
     if prompt == "-" and texts is None:
-        prompt = sys.stdin.read()
+        try:
+            prompt = sys.stdin.buffer.read().decode("utf-8")
+        except UnicodeDecodeError as e:
+            fail(f"the prompt on standard input is not UTF-8 text ({e})")
     redrafter, tokenizer = load(model, drafter, dtype=_dtype(dtype), quantize=quantize)
-    shape = dict(beam_width=beam_width, beam_length=beam_length, choose=choose, chat_template=not ignore_chat_template)
+    shape = dict(vars(draft), choose=choose, chat_template=not ignore_chat_template)
     if texts is not None:
         for result in batch_generate(redrafter, tokenizer, texts, max_tokens, batch_size=batch_size, **shape):
             tps = len(result.tokens) / result.seconds if result.seconds else 0.0
-            print(json.dumps(_summary(result.text, result.tokens, result.prompt_tokens, result.steps, result.step_tokens, tps, result.finish_reason)), flush=True)
+            print(json.dumps(_summary(result.text, result.tokens, result.prompt_tokens, result.steps, result.step_tokens, result.step_nodes, tps, result.finish_reason)), flush=True)
         return
     prompt_ids = encode_prompt(tokenizer, prompt, chat_template=not ignore_chat_template)
     text, tokens, last = "", [], None
@@ -109,10 +147,10 @@ def generate(
         tokens += last.tokens
         if not as_json:
             print(last.text, end="", flush=True)
-    steps, step_tokens = (last.steps, last.step_tokens) if last else (0, 0)
+    steps, step_tokens, step_nodes = (last.steps, last.step_tokens, last.step_nodes) if last else (0, 0, 0)
     tps = last.generation_tps if last else 0.0
     if as_json:
-        summary = _summary(text, tokens, len(prompt_ids), steps, step_tokens, tps, last.finish_reason if last else "length")
+        summary = _summary(text, tokens, len(prompt_ids), steps, step_tokens, step_nodes, tps, last.finish_reason if last else "length")
         summary.update(prompt_tps=last.prompt_tps if last else 0.0, peak_memory_gb=last.peak_memory if last else 0.0)
         print(json.dumps(summary))
     else:
@@ -121,7 +159,7 @@ def generate(
             print(f"[{len(tokens)} tokens, {tps:.1f} tokens/s, {step_tokens / steps:.2f} tokens/step, prompt {len(prompt_ids)} tokens]", file=sys.stderr)
 
 
-def _summary(text, tokens, prompt_tokens, steps, step_tokens, generation_tps, finish_reason) -> dict:
+def _summary(text, tokens, prompt_tokens, steps, step_tokens, step_nodes, generation_tps, finish_reason) -> dict:
     return {
         "text": text,
         "tokens": tokens,
@@ -129,6 +167,7 @@ def _summary(text, tokens, prompt_tokens, steps, step_tokens, generation_tps, fi
         "generation_tokens": len(tokens),
         "steps": steps,
         "tokens_per_step": step_tokens / steps if steps else 0.0,
+        "nodes_per_step": step_nodes / steps if steps else 0.0,
         "generation_tps": generation_tps,
         "finish_reason": finish_reason,
     }
@@ -145,8 +184,12 @@ def chat(
     min_p: float = MIN_P,
     repetition_penalty: Optional[float] = REPETITION_PENALTY,
     seed: int = SEED,
-    beam_width: int = BEAM_WIDTH,
-    beam_length: int = BEAM_LENGTH,
+    beam_width: str = BEAM_WIDTH,
+    beam_length: str = BEAM_LENGTH,
+    max_nodes: str = MAX_NODES,
+    no_lookup: bool = NO_LOOKUP,
+    lookup_max_ngram: int = LOOKUP_MAX_NGRAM,
+    lookup_beams: int = LOOKUP_BEAMS,
     system_prompt: Optional[str] = typer.Option(None, "--system-prompt", help="System message at the start of the conversation."),
     dtype: Optional[str] = DTYPE,
 ):
@@ -156,21 +199,12 @@ def chat(
     from redrafter_mlx.loading import load
 
     choose = _sampling(temp, top_p, top_k, min_p, repetition_penalty, seed)
-    check_settings(max_tokens, beam_width, beam_length)
+    draft = _draft(drafter, beam_width, beam_length, max_nodes, no_lookup, lookup_max_ngram, lookup_beams)
+    check_settings(max_tokens, draft)
     redrafter, tokenizer = load(model, drafter, dtype=_dtype(dtype))
     if not tokenizer.has_chat_template:
         fail("this model's tokenizer has no chat template; use `redrafter-mlx generate`")
-    chat_loop(redrafter, tokenizer, max_tokens, system_prompt, beam_width=beam_width, beam_length=beam_length, choose=choose)
-
-
-def _int_list(text: str, name: str) -> list:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        fail(f"{name} takes comma-separated integers, got {text!r}")
-    if not values:
-        fail(f"{name} is empty")
-    return values
+    chat_loop(redrafter, tokenizer, max_tokens, system_prompt, choose=choose, **vars(draft))
 
 
 @app.command()
@@ -184,12 +218,12 @@ def bench(
     temp: float = TEMP,
     top_p: float = TOP_P,
     seed: int = SEED,
-    beam_widths: str = typer.Option("1,2,4", "--beam-widths", help="Beam widths to measure, comma-separated."),
-    beam_lengths: str = typer.Option("3,5", "--beam-lengths", help="Beam lengths to measure, comma-separated."),
+    configs: str = typer.Option("auto,lookup,rnn:4x5,both:4x5", "--configs", help="Configurations to measure, comma-separated: auto (the default settings), lookup (context lookup only), rnn:WxL (the RNN's beams, all verified), both:WxL (those and one lookup continuation)."),
     batch_size: int = typer.Option(1, "--batch-size", "-b", help="Prompts decoded together (1 compares against mlx-lm's own loop)."),
     repeats: int = typer.Option(1, "--repeats", help="Times each prompt batch is measured."),
+    calibrate: bool = typer.Option(False, "--calibrate", help="Measure this machine's verification cost curve again (it is cached) before the benchmark."),
     json_out: Optional[str] = typer.Option(None, "--json", help="Write all results, machine, mlx version and settings to this JSON file."),
-    plot_out: Optional[str] = typer.Option(None, "--plot", help="Draw a heat map of speed-up over beam width x length to this PNG (needs matplotlib)."),
+    plot_out: Optional[str] = typer.Option(None, "--plot", help="Draw the speed-up per configuration to this PNG (needs matplotlib)."),
     dtype: Optional[str] = DTYPE,
 ):
     """Measure autoregressive decoding against ReDrafter on the same prompts."""
@@ -197,15 +231,13 @@ def bench(
     from mlx_lm.sample_utils import make_sampler
 
     from redrafter_mlx.api import encode_prompt
-    from redrafter_mlx.bench import DEFAULT_PROMPTS, environment, format_table, plot_heatmap, report, run_benchmark, weights_digest
-    from redrafter_mlx.generate import check_settings
-    from redrafter_mlx.loading import default_drafter_path, load
+    from redrafter_mlx.bench import DEFAULT_PROMPTS, environment, format_curve, format_table, parse_configs, plot_speedups, report, run_benchmark
+    from redrafter_mlx.cost import cost_curve
+    from redrafter_mlx.drafting import DraftSettings
+    from redrafter_mlx.loading import load
     from redrafter_mlx.prompts import read_prompts
 
-    widths, lengths = _int_list(beam_widths, "--beam-widths"), _int_list(beam_lengths, "--beam-lengths")
-    for w in widths:
-        for length in lengths:
-            check_settings(max_tokens, w, length)
+    chosen = parse_configs(configs)
     if min(num_prompts, every, batch_size, repeats, max_tokens) < 1:
         fail("--num-prompts, --every, --batch-size, --repeats and --max-tokens must be at least 1")
     if plot_out:
@@ -216,29 +248,33 @@ def bench(
     choose = _sampling(temp, top_p, 0, 0.0, None, seed)
     texts = (read_prompts(prompts_file) if prompts_file else DEFAULT_PROMPTS)[::every][:num_prompts]
     redrafter, tokenizer = load(model, drafter, dtype=_dtype(dtype))
+    if redrafter.drafter is None and any(c.name.startswith(("rnn", "both")) for c in chosen):
+        fail("the rnn and both configurations need a drafter")
     prompts = [encode_prompt(tokenizer, t) for t in texts]
-    shapes = [(w, length) for w in widths for length in lengths]
     env = environment(str(redrafter.base.dtype).replace("mlx.core.", ""))
     typer.echo(f"device {env['device']}, BLAS {env['blas']}, dtype {env['dtype']}, mlx {env['mlx']}, mlx-lm {env['mlx_lm']}")
+    default = DraftSettings()
+    curve = cost_curve(redrafter, min(batch_size, len(prompts)), (default.beam_width, default.beam_length), refresh=calibrate)
+    typer.echo(format_curve(curve))
     batches = -(-len(prompts) // batch_size)
-    with tqdm(total=repeats * batches * len(shapes), unit="run", desc="bench", file=sys.stderr) as bar:
+    with tqdm(total=repeats * batches * len(chosen), unit="run", desc="bench", file=sys.stderr) as bar:
         results = run_benchmark(
-            redrafter, prompts, shapes, max_tokens=max_tokens, batch_size=batch_size, repeats=repeats,
+            redrafter, prompts, chosen, max_tokens=max_tokens, batch_size=batch_size, repeats=repeats,
             choose=choose, sampler=make_sampler(temp=temp, top_p=top_p if top_p < 1 else 0.0), greedy=temp == 0,
             eos=list(tokenizer.eos_token_ids), progress=bar.update,
         )
     typer.echo(format_table(results))
-    mismatched = [f"{r.beam_width}x{r.beam_length}" for r in results if r.mismatches]
+    mismatched = [r.name for r in results if r.mismatches]
     if mismatched:
-        typer.echo(f"WARNING: greedy ReDrafter output differs from autoregressive output for beam shapes {', '.join(mismatched)}", err=True)
-    settings = dict(model=model or "default", drafter=drafter or "default", drafter_sha256=weights_digest(drafter or default_drafter_path(model)),
-                    prompts=prompts_file or "built-in", every=every, num_prompts=len(prompts),
+        typer.echo(f"WARNING: greedy ReDrafter output differs from autoregressive output for {', '.join(mismatched)}", err=True)
+    settings = dict(model=model or "default", drafter=drafter or "default", drafter_sha256=redrafter.drafter_identity or None,
+                    model_identity=redrafter.identity, prompts=prompts_file or "built-in", every=every, num_prompts=len(prompts),
                     max_tokens=max_tokens, temp=temp, top_p=top_p, seed=seed, batch_size=batch_size, repeats=repeats)
     if json_out:
         with open(json_out, "w") as f:
-            json.dump(report(results, settings, env), f, indent=2)
+            json.dump(report(results, settings, env, curve), f, indent=2)
     if plot_out:
-        plot_heatmap(results, plot_out, f"speed-up, {env['device']} {env['dtype']}, batch {batch_size}")
+        plot_speedups(results, plot_out, f"speed-up, {env['device']} {env['dtype']}, batch {batch_size}")
 
 
 @app.command()

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import redrafter_mlx
 from redrafter_mlx.api import encode_prompt
+from redrafter_mlx.drafting import DraftSettings
 from redrafter_mlx.generate import generate_steps
 from redrafter_mlx.prompts import read_prompts
 
@@ -26,7 +27,7 @@ def measure(redrafter, prompts, width, length, max_tokens, batch_size, choose, e
     histogram = [0] * length
     for start in range(0, len(prompts), batch_size):
         batch = prompts[start : start + batch_size]
-        for outputs in generate_steps(redrafter, batch, max_tokens=max_tokens, beam_width=width, beam_length=length, choose=choose, eos_token_ids=eos):
+        for outputs in generate_steps(redrafter, batch, max_tokens=max_tokens, draft=DraftSettings.rnn_only(width, length), choose=choose, eos_token_ids=eos):
             for out in outputs:
                 counts = per_prompt[start + out.row]
                 counts[2] += len(out.tokens)

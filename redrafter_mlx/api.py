@@ -8,6 +8,7 @@ from typing import Iterator, Optional, Sequence, Union
 
 import mlx.core as mx
 
+from .drafting import DraftSettings
 from .generate import Chooser, ReDrafter, StepTiming, generate_steps, greedy
 
 
@@ -25,6 +26,7 @@ class GenerationResponse:
     step_tokens: tokens those passes produced (accepted + bonus, before
         cutting at EOS or max_tokens); step_tokens / steps is the mean
         tokens per step.
+    step_nodes: tree nodes those passes verified (the root included).
     peak_memory: peak memory so far, GB.
     finish_reason: "stop", "length" or None.
     """
@@ -38,6 +40,7 @@ class GenerationResponse:
     generation_tps: float
     steps: int
     step_tokens: int
+    step_nodes: int
     peak_memory: float
     finish_reason: Optional[str] = None
 
@@ -62,24 +65,24 @@ def stream_generate(
     prompt: Union[str, Sequence[int]],
     max_tokens: int = 256,
     *,
-    beam_width: int = 4,
-    beam_length: int = 5,
     choose: Chooser = greedy,
     chat_template: bool = True,
     timing: Optional[StepTiming] = None,
+    **draft,
 ) -> Iterator[GenerationResponse]:
-    """Generate from one prompt, yielding a response per step."""
+    """Generate from one prompt, yielding a response per step. ``draft``:
+    the fields of ``DraftSettings`` (beam_width, beam_length, max_nodes,
+    lookup, lookup_max_ngram, lookup_beams)."""
     prompt_ids = encode_prompt(tokenizer, prompt, chat_template)
     detokenizer = tokenizer.detokenizer
     detokenizer.reset()
     tic = time.perf_counter()
-    prompt_tps, generated, steps, step_tokens = 0.0, 0, 0, 0
+    prompt_tps, generated, steps, step_tokens, step_nodes = 0.0, 0, 0, 0, 0
     for (out,) in generate_steps(
         redrafter,
         [prompt_ids],
         max_tokens=max_tokens,
-        beam_width=beam_width,
-        beam_length=beam_length,
+        draft=DraftSettings(**draft),
         choose=choose,
         eos_token_ids=tokenizer.eos_token_ids,
         timing=timing,
@@ -90,6 +93,7 @@ def stream_generate(
         else:
             steps += 1
             step_tokens += out.num_accepted + 1
+            step_nodes += out.num_nodes
         for token in out.tokens:
             detokenizer.add_token(token)
         if out.finish_reason:
@@ -106,6 +110,7 @@ def stream_generate(
             generation_tps=generated / elapsed if elapsed > 0 and steps else 0.0,
             steps=steps,
             step_tokens=step_tokens,
+            step_nodes=step_nodes,
             peak_memory=mx.get_peak_memory() / 1e9,
             finish_reason=out.finish_reason,
         )
@@ -139,6 +144,7 @@ class BatchResult:
     prompt_tokens: int
     steps: int  # verification passes this prompt took part in
     step_tokens: int  # tokens those passes produced (accepted + bonus)
+    step_nodes: int  # tree nodes those passes verified (the root included)
     finish_reason: Optional[str]
     seconds: float  # wall time of the batch it ran in
 
@@ -154,10 +160,9 @@ def batch_generate(
     max_tokens: int = 256,
     *,
     batch_size: int = 8,
-    beam_width: int = 4,
-    beam_length: int = 5,
     choose: Chooser = greedy,
     chat_template: bool = True,
+    **draft,
 ) -> list[BatchResult]:
     """Generate for many prompts, ``batch_size`` at a time (left-padded;
     rows advance by their own accepted lengths and leave the batch when they
@@ -171,14 +176,14 @@ def batch_generate(
     for start in range(0, len(encoded), batch_size):
         chunk = encoded[start : start + batch_size]
         tokens = [[] for _ in chunk]
-        steps, step_tokens, finish = [0] * len(chunk), [0] * len(chunk), [None] * len(chunk)
+        steps, step_tokens, step_nodes = [0] * len(chunk), [0] * len(chunk), [0] * len(chunk)
+        finish = [None] * len(chunk)
         tic = time.perf_counter()
         for outputs in generate_steps(
             redrafter,
             chunk,
             max_tokens=max_tokens,
-            beam_width=beam_width,
-            beam_length=beam_length,
+            draft=DraftSettings(**draft),
             choose=choose,
             eos_token_ids=tokenizer.eos_token_ids,
             row_ids=range(start, start + len(chunk)),
@@ -189,9 +194,10 @@ def batch_generate(
                 if out.num_accepted is not None:
                     steps[out.row] += 1
                     step_tokens[out.row] += out.num_accepted + 1
+                    step_nodes[out.row] += out.num_nodes
         seconds = time.perf_counter() - tic
         for i, ids in enumerate(tokens):
             results.append(
-                BatchResult(tokenizer.decode(ids), ids, len(chunk[i]), steps[i], step_tokens[i], finish[i], seconds)
+                BatchResult(tokenizer.decode(ids), ids, len(chunk[i]), steps[i], step_tokens[i], step_nodes[i], finish[i], seconds)
             )
     return results

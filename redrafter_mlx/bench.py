@@ -5,12 +5,10 @@ Batch size 1 uses mlx-lm's own generation loop as the baseline; larger
 batches use this project's batched autoregressive loop (same cache).
 """
 
-import hashlib
 import platform
 import statistics
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable, Optional
 
 import mlx.core as mx
@@ -18,6 +16,8 @@ from mlx_lm.generate import generate_step
 
 from .autoregressive import autoregressive_steps
 from .blas import blas_name
+from .drafting import DraftSettings
+from .errors import UserError
 from .generate import Chooser, ReDrafter, StepTiming, generate_steps
 
 
@@ -42,6 +42,7 @@ class Run:
     seconds: float
     steps: int = 0
     step_tokens: int = 0
+    step_nodes: int = 0
     peak_memory_gb: float = 0.0
 
     @property
@@ -50,35 +51,66 @@ class Run:
 
 
 @dataclass
-class ShapeResult:
-    beam_width: int
-    beam_length: int
+class Config:
+    """A named drafting configuration to measure."""
+
+    name: str
+    draft: DraftSettings
+
+
+def parse_configs(text: str) -> list[Config]:
+    """``auto`` (the default settings), ``lookup`` (lookup only, nodes by
+    cost), ``rnn:WxL`` (the RNN's WxL beams, all verified), ``both:WxL``
+    (those plus one lookup continuation), comma-separated."""
+    configs = []
+    for name in (n.strip() for n in text.split(",") if n.strip()):
+        kind, _, shape = name.partition(":")
+        if kind in ("auto", "lookup") and not shape:
+            draft = DraftSettings()
+        elif kind in ("rnn", "both") and shape.count("x") == 1 and all(p.isdigit() for p in shape.split("x")):
+            draft = DraftSettings.rnn_only(*map(int, shape.split("x")))
+            if kind == "both":
+                draft.lookup, draft.max_nodes = True, draft.max_nodes + draft.beam_length - 1
+        else:
+            raise UserError(f"unknown bench configuration {name!r}; use auto, lookup, rnn:WxL or both:WxL")
+        configs.append(Config(name, draft))
+    if not configs:
+        raise UserError("no bench configuration given")
+    return configs
+
+
+@dataclass
+class ConfigResult:
+    name: str
     redrafter_tps: list = field(default_factory=list)  # per batch and repeat
     baseline_tps: list = field(default_factory=list)
     speedups: list = field(default_factory=list)
     steps: int = 0
     step_tokens: int = 0
+    step_nodes: int = 0
     timing: StepTiming = field(default_factory=StepTiming)
     peak_memory_gb: float = 0.0
     mismatches: int = 0  # greedy outputs that differ from the baseline's
 
     def summary(self) -> dict:
         t = self.timing
-        split = t.drafting + t.verification + t.acceptance
+        split = t.host + t.drafting + t.verification + t.acceptance
         return {
-            "beam_width": self.beam_width,
-            "beam_length": self.beam_length,
+            "config": self.name,
             "baseline_tps": statistics.median(self.baseline_tps),
             "redrafter_tps": statistics.median(self.redrafter_tps),
             "speedup_median": statistics.median(self.speedups),
             "speedup_min": min(self.speedups),
             "speedup_max": max(self.speedups),
             "tokens_per_step": self.step_tokens / self.steps if self.steps else 0.0,
+            "nodes_per_step": self.step_nodes / self.steps if self.steps else 0.0,
             "time_split": {
+                "host": t.host / split if split else 0.0,
                 "drafting": t.drafting / split if split else 0.0,
                 "verification": t.verification / split if split else 0.0,
                 "acceptance_and_cache": t.acceptance / split if split else 0.0,
             },
+            "overhead_share": (split - t.verification) / t.verification if t.verification else 0.0,
             "peak_memory_gb": self.peak_memory_gb,
             "greedy_mismatches": self.mismatches,
         }
@@ -102,26 +134,25 @@ def baseline_run(redrafter: ReDrafter, prompts: list, max_tokens: int, choose: C
     return Run(outputs, time.perf_counter() - tic, peak_memory_gb=mx.get_peak_memory() / 1e9)
 
 
-def redrafter_run(redrafter, prompts, max_tokens, choose, eos, width, length, timing=None) -> Run:
+def redrafter_run(redrafter, prompts, max_tokens, choose, eos, config: Config, timing=None) -> Run:
     mx.reset_peak_memory()
-    outputs, steps, step_tokens = [[] for _ in prompts], 0, 0
+    outputs, steps, step_tokens, step_nodes = [[] for _ in prompts], 0, 0, 0
+    used = redrafter if config.name != "lookup" else ReDrafter(redrafter.base, None, redrafter.identity)
     tic = time.perf_counter()
-    for step in generate_steps(
-        redrafter, prompts, max_tokens=max_tokens, beam_width=width, beam_length=length,
-        choose=choose, eos_token_ids=eos, timing=timing,
-    ):
+    for step in generate_steps(used, prompts, max_tokens=max_tokens, draft=config.draft, choose=choose, eos_token_ids=eos, timing=timing):
         for out in step:
             outputs[out.row] += out.tokens
             if out.num_accepted is not None:
                 steps += 1
                 step_tokens += out.num_accepted + 1
-    return Run(outputs, time.perf_counter() - tic, steps, step_tokens, mx.get_peak_memory() / 1e9)
+                step_nodes += out.num_nodes
+    return Run(outputs, time.perf_counter() - tic, steps, step_tokens, step_nodes, mx.get_peak_memory() / 1e9)
 
 
 def run_benchmark(
     redrafter: ReDrafter,
     prompts: list,
-    shapes: list,
+    configs: list,
     *,
     max_tokens: int,
     batch_size: int,
@@ -131,31 +162,34 @@ def run_benchmark(
     greedy: bool,
     eos: list,
     progress: Optional[Callable[[int], None]] = None,
-) -> list[ShapeResult]:
-    """Time every beam shape against the baseline on every batch of prompts.
+) -> list[ConfigResult]:
+    """Time every configuration against the baseline on every batch of
+    prompts.
 
-    Per batch and repeat, the baseline runs, then each shape, alternating.
-    One extra profiled run per shape (on the first batch) splits the time
-    into drafting, verification and acceptance (its syncs would distort the
-    timed runs, so it is not one of them).
+    Per batch and repeat, the baseline runs, then each configuration,
+    alternating. One extra profiled run per configuration (on the first
+    batch) splits the time into host work, drafting, verification and
+    acceptance (its syncs would distort the timed runs, so it is not one of
+    them).
     """
     batches = [prompts[i : i + batch_size] for i in range(0, len(prompts), batch_size)]
-    results = [ShapeResult(w, l) for w, l in shapes]
+    results = [ConfigResult(c.name) for c in configs]
     # Warm-up: compile kernels and fill allocator caches for every path.
     baseline_run(redrafter, batches[0], 8, choose, eos, sampler)
-    for r in results:
-        redrafter_run(redrafter, batches[0], 8, choose, eos, r.beam_width, r.beam_length)
-        redrafter_run(redrafter, batches[0], max_tokens, choose, eos, r.beam_width, r.beam_length, timing=r.timing)
+    for c, r in zip(configs, results):
+        redrafter_run(redrafter, batches[0], 8, choose, eos, c)
+        redrafter_run(redrafter, batches[0], max_tokens, choose, eos, c, timing=r.timing)
     for _ in range(repeats):
         for batch in batches:
             baseline = baseline_run(redrafter, batch, max_tokens, choose, eos, sampler)
-            for r in results:
-                run = redrafter_run(redrafter, batch, max_tokens, choose, eos, r.beam_width, r.beam_length)
+            for c, r in zip(configs, results):
+                run = redrafter_run(redrafter, batch, max_tokens, choose, eos, c)
                 r.baseline_tps.append(baseline.tokens_per_second)
                 r.redrafter_tps.append(run.tokens_per_second)
                 r.speedups.append(run.tokens_per_second / baseline.tokens_per_second)
                 r.steps += run.steps
                 r.step_tokens += run.step_tokens
+                r.step_nodes += run.step_nodes
                 r.peak_memory_gb = max(r.peak_memory_gb, run.peak_memory_gb)
                 if greedy:
                     r.mismatches += sum(a != b for a, b in zip(run.tokens, baseline.tokens))
@@ -179,58 +213,58 @@ def environment(dtype: str) -> dict:
     }
 
 
-def weights_digest(drafter_folder: str) -> str:
-    """The first 16 hex digits of the SHA-256 of a drafter's weights, so that
-    a saved result names the exact drafter it measured."""
-    return hashlib.sha256((Path(drafter_folder) / "model.safetensors").read_bytes()).hexdigest()[:16]
-
-
-def format_table(results: list[ShapeResult]) -> str:
+def format_table(results: list[ConfigResult]) -> str:
     header = (
-        f"{'beams':>6} {'AR tok/s':>9} {'ReDr tok/s':>10} {'speed-up (min-max)':>20} {'tok/step':>8} "
-        f"{'draft/verify/accept %':>22} {'peak GB':>8} {'greedy':>8}"
+        f"{'config':>12} {'AR tok/s':>9} {'ReDr tok/s':>10} {'speed-up (min-max)':>20} {'tok/step':>8} {'nodes':>6} "
+        f"{'overhead':>8} {'peak GB':>8} {'greedy':>8}"
     )
     lines = [header, "-" * len(header)]
     for r in results:
         s = r.summary()
-        split = s["time_split"]
         lines.append(
-            f"{r.beam_width}x{r.beam_length:<4} {s['baseline_tps']:9.1f} {s['redrafter_tps']:10.1f} "
+            f"{r.name:>12} {s['baseline_tps']:9.1f} {s['redrafter_tps']:10.1f} "
             f"{s['speedup_median']:8.2f}x ({s['speedup_min']:.2f}-{s['speedup_max']:.2f}) {s['tokens_per_step']:8.2f} "
-            f"{100 * split['drafting']:7.0f}/{100 * split['verification']:.0f}/{100 * split['acceptance_and_cache']:.0f}"
-            f"{'':>6} {s['peak_memory_gb']:8.2f} {'MISMATCH' if r.mismatches else 'same':>8}"
+            f"{s['nodes_per_step']:6.1f} {100 * s['overhead_share']:7.0f}% {s['peak_memory_gb']:8.2f} {'MISMATCH' if r.mismatches else 'same':>8}"
         )
     return "\n".join(lines)
 
 
-def plot_heatmap(results: list[ShapeResult], path: str, title: str) -> None:
-    """Speed-up over beam width x beam length, like the paper's figure."""
+def format_curve(curve) -> str:
+    """The cost curve as one line per size: seconds and cost relative to one token."""
+    lines = ["verification cost: nodes per row -> ms (relative to 1)"]
+    for n, seconds, relative in zip(curve.sizes, curve.seconds, curve.relative()):
+        lines.append(f"  {n:3d}: {1000 * seconds:8.2f} ms  {relative:5.2f}x")
+    if curve.draft_seconds:
+        lines.append(f"  RNN beam search: {1000 * curve.draft_seconds:.2f} ms")
+    return "\n".join(lines)
+
+
+def plot_speedups(results: list[ConfigResult], path: str, title: str) -> None:
+    """Median speed-up per configuration, with the min-max range."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    widths = sorted({r.beam_width for r in results})
-    lengths = sorted({r.beam_length for r in results})
-    grid = [[float("nan")] * len(lengths) for _ in widths]
-    for r in results:
-        grid[widths.index(r.beam_width)][lengths.index(r.beam_length)] = r.summary()["speedup_median"]
-    fig, ax = plt.subplots(figsize=(max(1.2 * len(lengths) + 2, 5), 1.0 * len(widths) + 1.5))
-    image = ax.imshow(grid, cmap="viridis", origin="lower")
-    ax.set_xticks(range(len(lengths)), [str(l) for l in lengths])
-    ax.set_yticks(range(len(widths)), [str(w) for w in widths])
-    ax.set_xlabel("beam length")
-    ax.set_ylabel("beam width")
+    summaries = [r.summary() for r in results]
+    medians = [s["speedup_median"] for s in summaries]
+    low = [m - s["speedup_min"] for m, s in zip(medians, summaries)]
+    high = [s["speedup_max"] - m for m, s in zip(medians, summaries)]
+    fig, ax = plt.subplots(figsize=(max(1.1 * len(results) + 2, 5), 4))
+    ax.bar(range(len(results)), medians, yerr=[low, high], capsize=4, color="tab:blue")
+    ax.axhline(1.0, color="gray", linewidth=1, linestyle="--")
+    ax.set_xticks(range(len(results)), [r.name for r in results])
+    ax.set_ylabel("speed-up over plain decoding")
     ax.set_title(title, fontsize=9)
-    for i in range(len(widths)):
-        for j in range(len(lengths)):
-            ax.text(j, i, f"{grid[i][j]:.2f}x", ha="center", va="center", color="white", fontsize=9)
-    fig.colorbar(image, ax=ax, label="speed-up")
+    for i, m in enumerate(medians):
+        ax.text(i, m, f"{m:.2f}x", ha="center", va="bottom", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
-def report(results: list[ShapeResult], settings: dict, env: dict) -> dict:
-    return {"environment": env, "settings": settings, "results": [r.summary() for r in results]}
-
+def report(results: list[ConfigResult], settings: dict, env: dict, curve=None) -> dict:
+    out = {"environment": env, "settings": settings, "results": [r.summary() for r in results]}
+    if curve is not None:
+        out["cost_curve"] = {"sizes": curve.sizes, "seconds": curve.seconds, "draft_seconds": curve.draft_seconds}
+    return out

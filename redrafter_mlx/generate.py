@@ -19,7 +19,9 @@ from .base_model import BaseModel
 from .beam_search import beam_search
 from .drafter import Drafter
 from .errors import UserError
-from .tree import Tree, pack_beams
+from .cost import cost_curve
+from .drafting import DraftSettings, Speculator
+from .tree import Tree, pack
 
 PREFILL_STEP_SIZE = 2048
 
@@ -34,10 +36,16 @@ def greedy(logits: mx.array, history: "TokenHistory") -> mx.array:
 
 @dataclass
 class ReDrafter:
-    """A base model and its drafter."""
+    """A base model and its drafter (None: context lookup only).
+
+    identity, drafter_identity: digests naming the exact model and drafter
+    (``loading.model_identity``), which key the cached cost curves.
+    """
 
     base: BaseModel
-    drafter: Drafter
+    drafter: Optional[Drafter]
+    identity: str = ""
+    drafter_identity: str = ""
 
 
 @dataclass
@@ -70,6 +78,8 @@ class StepOutput:
     finish_reason: None while the row goes on, else "stop" or "length".
     hidden: (len(tokens), hidden_size) float16, the base model's hidden state
         from which each token was chosen; only when asked for.
+    num_nodes: tree nodes this step verified for the row, the root included
+        (None for the first token).
     """
 
     row: int
@@ -77,6 +87,7 @@ class StepOutput:
     num_accepted: Optional[int]
     finish_reason: Optional[str] = None
     hidden: Optional[np.ndarray] = None
+    num_nodes: Optional[int] = None
 
 
 @dataclass
@@ -84,17 +95,15 @@ class StepTiming:
     """Seconds spent per phase when ``profile=True`` (extra syncs)."""
 
     prefill: float = 0.0
+    host: float = 0.0  # context lookup, tree building and pruning
     drafting: float = 0.0
     verification: float = 0.0
     acceptance: float = 0.0
     steps: int = 0
 
 
-def check_settings(max_tokens: int, beam_width: int, beam_length: int) -> None:
-    if beam_width < 1:
-        raise UserError(f"beam width must be at least 1, got {beam_width}")
-    if beam_length < 2:
-        raise UserError(f"beam length must be at least 2, got {beam_length}")
+def check_settings(max_tokens: int, draft: DraftSettings) -> None:
+    draft.check()
     if max_tokens < 0:
         raise UserError(f"max tokens must be at least 0, got {max_tokens}")
 
@@ -124,7 +133,7 @@ class RowTracker:
             return TokenHistory(ids, context)
         return TokenHistory(ids, context, tree.tokens, tree.mask, tree.depths)
 
-    def emit(self, tokens_per_row: list, num_accepted: Optional[list] = None) -> list[StepOutput]:
+    def emit(self, tokens_per_row: list, num_accepted: Optional[list] = None, num_nodes: Optional[list] = None) -> list[StepOutput]:
         """Record each active row's new tokens, cut at EOS and max_tokens."""
         outputs = []
         for i, tokens in enumerate(tokens_per_row):
@@ -139,7 +148,8 @@ class RowTracker:
             self.context[row].extend(tokens)
             self.produced[row] += len(tokens)
             accepted = None if num_accepted is None else num_accepted[i]
-            outputs.append(StepOutput(row, tokens, accepted, finish))
+            nodes = None if num_nodes is None else num_nodes[i]
+            outputs.append(StepOutput(row, tokens, accepted, finish, num_nodes=nodes))
         return outputs
 
     def keep_unfinished(self, outputs: list[StepOutput]) -> Optional[list[int]]:
@@ -191,13 +201,13 @@ def generate_steps(
     prompts: Sequence[Sequence[int]],
     *,
     max_tokens: int = 256,
-    beam_width: int = 4,
-    beam_length: int = 5,
+    draft: Optional[DraftSettings] = None,
     choose: Chooser = greedy,
     eos_token_ids: Sequence[int] = (),
     prefill_step_size: int = PREFILL_STEP_SIZE,
     timing: Optional[StepTiming] = None,
     row_ids: Optional[Sequence[int]] = None,
+    **draft_options,
 ) -> Iterator[list[StepOutput]]:
     """Generate for a batch of tokenized prompts; yields, after the prefill
     and after each verification step, one ``StepOutput`` per active row.
@@ -205,22 +215,35 @@ def generate_steps(
     the caller's whole input list (default 0, 1, ...): ``choose`` sees them,
     so a prompt's sampling seed does not depend on the batch it runs in.
 
+    ``draft`` says what each step verifies (``DraftSettings``); its fields
+    may be given as keywords instead (``beam_width=4``, ``lookup=False``).
+
     With ``timing`` given, phases are synchronised separately and their
     seconds added to it (for benchmarks; it costs extra syncs).
     """
-    check_settings(max_tokens, beam_width, beam_length)
+    draft = draft or DraftSettings(**draft_options)
+    check_settings(max_tokens, draft)
     base, drafter = redrafter.base, redrafter.drafter
     check_prompts(base, prompts)
     if max_tokens == 0:
         return
     tracker = RowTracker(prompts, max_tokens, eos_token_ids, ids=row_ids)
+    shape = (draft.beam_width, draft.beam_length)
+    cost = cost_curve(redrafter, len(prompts), shape if drafter else None) if draft.max_nodes is None else None
+    speculator = Speculator(draft, drafter is not None, tracker.context, cost)
     sync = _Sync(timing)
+
+    def search(hidden, first_tokens):
+        if not speculator.use_rnn():
+            return None
+        beams, logprobs = beam_search(drafter, base.embed, hidden, first_tokens, *shape)
+        return beams, mx.exp(logprobs)
 
     layout, cache, hidden, logits = prefill(base, prompts, prefill_step_size)
     next_token = choose(logits, tracker.history())[:, 0]
-    beams, _ = beam_search(drafter, base.embed, hidden, next_token, beam_width, beam_length)
-    tree = pack_beams(beams)
-    sync("prefill", next_token, tree.num_nodes, [c.state_arrays() for c in cache])
+    rnn = search(hidden, next_token)
+    sync("prefill", next_token, rnn, [c.state_arrays() for c in cache])
+    rnn = None if rnn is None else [np.array(a) for a in rnn]
     outputs = tracker.emit([[t] for t in np.array(next_token).tolist()])
     yield outputs
 
@@ -230,39 +253,36 @@ def generate_steps(
             if not keep:
                 return
             trim = layout.filter(keep)
-            keep = mx.array(keep)
             for c in cache:
-                c.filter(keep, trim)
-            beams, tree = beams[keep], _filter_tree(tree, keep)
-        tree = tree.truncate(int(np.array(tree.num_nodes).max()))
+                c.filter(mx.array(keep), trim)
+            rnn = None if rnn is None else [a[keep] for a in rnn]
+        roots = [tracker.context[r][-1] for r in tracker.rows]
+        trees = speculator.trees(tracker.rows, roots, *(rnn or (None, None)))
+        tree = pack(trees)
+        sync("host")
 
         layout.begin_tree(tree.depths, tree.mask)
         hidden, logits = base(tree.tokens, cache)
         sync("verification", hidden, logits)
         choices = choose(logits, tracker.history(tree))
-        step = accept(beams, tree.unpack, choices, hidden)
+        step = accept(tree.beams, tree.unpack, choices, hidden)
         for c in cache:
             c.commit_path(step.path)
         sync("acceptance", step.tokens, [c.state_arrays() for c in cache])
-        beams, _ = beam_search(
-            drafter, base.embed, step.next_hidden, step.next_token, beam_width, beam_length
-        )
-        tree = pack_beams(beams)
-        sync("drafting", step.num_accepted, step.tokens, tree.num_nodes, [c.state_arrays() for c in cache])
+        rnn = search(step.next_hidden, step.next_token)
+        sync("drafting", step.num_accepted, step.tokens, step.path, rnn, [c.state_arrays() for c in cache])
+        rnn = None if rnn is None else [np.array(a) for a in rnn]
 
         num_accepted = np.array(step.num_accepted)
+        speculator.observe(trees, np.array(step.path), num_accepted)
         layout.commit(num_accepted + 1)
         tokens = np.array(step.tokens)
         outputs = tracker.emit(
-            [tokens[i, : n + 1].tolist() for i, n in enumerate(num_accepted)], num_accepted.tolist()
+            [tokens[i, : n + 1].tolist() for i, n in enumerate(num_accepted)], num_accepted.tolist(), tree.num_nodes
         )
         if timing is not None:
             timing.steps += 1
         yield outputs
-
-
-def _filter_tree(tree: Tree, rows: mx.array) -> Tree:
-    return Tree(*(getattr(tree, f)[rows] for f in ("tokens", "depths", "mask", "unpack", "num_nodes")))
 
 
 class _Sync:

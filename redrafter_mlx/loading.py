@@ -1,19 +1,24 @@
 """Loading a base model (mlx-lm / Hugging Face folder, Hub id, or GGUF file)
 and its drafter."""
 
+import hashlib
+import json
+import sys
 from pathlib import Path
 from typing import Optional
 
 import mlx.core as mx
+import numpy as np
 
 from . import gguf
 from .base_model import BaseModel
-from .drafter import check_compatible, load_drafter
+from .blas import blas_name
+from .drafter import CONFIG_FILE, WEIGHTS_FILE, check_compatible, load_drafter
 from .errors import UserError
 from .generate import ReDrafter
 from .gguf import DTYPES, QUANTIZE_BITS
 
-# Drafters the project ships, by the base model file they were trained for.
+# Drafters the project ships; each config.json names its base model's identity.
 SHIPPED_DRAFTERS_DIR = Path(__file__).parent / "drafters"
 
 
@@ -37,18 +42,25 @@ def load_base_model(path: Optional[str] = None, dtype: Optional[str] = "auto", q
     if quantize is not None and quantize not in QUANTIZE_BITS:
         raise UserError(f"--quantize takes one of {QUANTIZE_BITS} bits, got {quantize}")
     path = path or gguf.default_model_path()
+    check_model_path(path)
     if path.endswith(".gguf"):
         return gguf.load_gguf(path, dtype=dtype, quantize_bits=quantize)
     return _load_mlx_lm(path, dtype, quantize)
+
+
+def check_model_path(path: Optional[str]) -> None:
+    """One clear error for a model path that does not exist (anything
+    neither a local path nor shaped like a Hub id ``owner/name``)."""
+    if path is None or Path(path).exists():
+        return
+    if path.endswith(".gguf") or path.startswith((".", "/", "~")) or path.count("/") != 1:
+        raise UserError(f"model not found: {path} (give a model folder, a .gguf file or a Hub id)")
 
 
 def _load_mlx_lm(path: str, dtype: Optional[str], quantize: Optional[int]):
     import mlx.nn as nn
     import mlx_lm
 
-    local = Path(path)
-    if not local.exists() and (path.startswith((".", "/", "~")) or path.count("/") != 1):
-        raise UserError(f"model not found: {path} (give a model folder, a .gguf file or a Hub id)")
     try:
         model, tokenizer = mlx_lm.load(path)
     except Exception as e:  # mlx-lm raises many types for a bad folder or id
@@ -61,12 +73,45 @@ def _load_mlx_lm(path: str, dtype: Optional[str], quantize: Optional[int]):
     return model, tokenizer
 
 
-def default_drafter_path(model_path: Optional[str]) -> Optional[str]:
-    """The drafter shipped for the default model, if there is one."""
-    folder = SHIPPED_DRAFTERS_DIR / "smollm2-135m-instruct"
-    if model_path is None and (folder / "config.json").exists():
-        return str(folder)
+def model_identity(base: BaseModel, tokenizer) -> str:
+    """A digest naming a model whatever file or folder it was loaded from:
+    its shapes, its tokenizer's vocabulary and its input embedding of the
+    first 256 tokens rounded to float16 (the same for float32 and native
+    loads of one file)."""
+    digest = hashlib.sha256(f"{base.vocab_size}|{base.hidden_size}|{base.num_layers}".encode())
+    digest.update(json.dumps(sorted(tokenizer.get_vocab().items())).encode())
+    ids = mx.arange(min(256, base.vocab_size))
+    digest.update(np.array(base.embed(ids).astype(mx.float32)).astype(np.float16).tobytes())
+    return digest.hexdigest()[:16]
+
+
+def drafter_identity(path: str) -> str:
+    """The first 16 hex digits of the SHA-256 of a drafter's weights."""
+    return hashlib.sha256((Path(path) / WEIGHTS_FILE).read_bytes()).hexdigest()[:16]
+
+
+def shipped_drafter(identity: str) -> Optional[str]:
+    """The drafter shipped for the model with this identity, if any: each
+    shipped drafter's config.json names its base model's identity."""
+    for config in sorted(SHIPPED_DRAFTERS_DIR.glob(f"*/{CONFIG_FILE}")):
+        try:
+            base_model = json.loads(config.read_text()).get("base_model", {})
+        except (OSError, ValueError):
+            continue
+        if isinstance(base_model, dict) and base_model.get("identity") == identity:
+            return str(config.parent)
     return None
+
+
+def warn_if_slow_blas() -> None:
+    """One warning line when MLX's CPU matmuls run on the reference BLAS (on
+    Linux, when mlx.core was imported before redrafter_mlx)."""
+    if sys.platform.startswith("linux") and mx.default_device() == mx.cpu and blas_name().startswith("reference"):
+        print(
+            "warning: MLX is using its slow reference BLAS (about 30x slower); import redrafter_mlx "
+            "before mlx.core, with OpenBLAS installed (apt-get install libopenblas0-pthread)",
+            file=sys.stderr,
+        )
 
 
 def load(
@@ -80,8 +125,9 @@ def load(
     Args:
         model: mlx-lm / Hugging Face folder, Hub id, or ``.gguf`` file; None
             for the embedded default model.
-        drafter: drafter folder; None for the drafter shipped with the
-            default model.
+        drafter: drafter folder; "none" for context lookup only; None for
+            the drafter shipped for this model (found by the model's
+            identity), or context lookup only when none is shipped.
         dtype: "float32", "float16", "bfloat16", None (keep the file's), or
             "auto" (float32 on the CPU, the file's on Metal).
         quantize: re-quantize the base model to this many bits.
@@ -89,15 +135,22 @@ def load(
     Returns:
         (ReDrafter, tokenizer)
     """
-    drafter_path = drafter or default_drafter_path(model)
-    if drafter_path is None:
-        raise UserError(
-            "no drafter given (--drafter) and none is shipped for this model; "
-            "train one with `redrafter-mlx train`"
-        )
-    draft_model = load_drafter(drafter_path)  # first: a bad drafter fails fast
+    warn_if_slow_blas()
+    check_model_path(model)
+    draft_model = None
+    if drafter not in (None, "none"):
+        draft_model = load_drafter(drafter)  # before the base model: a bad drafter fails fast
     base_model, tokenizer = load_base_model(model, dtype, quantize)
     base = BaseModel(base_model)
+    identity = model_identity(base, tokenizer)
+    if drafter is None:
+        drafter = shipped_drafter(identity)
+        if drafter is None:
+            print("note: no drafter is shipped for this model; drafting by context lookup only", file=sys.stderr)
+        else:
+            draft_model = load_drafter(drafter)
+    if draft_model is None:
+        return ReDrafter(base, None, identity), tokenizer
     check_compatible(draft_model.args, base.hidden_size, base.vocab_size)
     draft_model.set_dtype(base.dtype)  # compute like the base model
-    return ReDrafter(base, draft_model), tokenizer
+    return ReDrafter(base, draft_model, identity, drafter_identity(drafter)), tokenizer

@@ -1,84 +1,184 @@
-"""Dynamic tree attention: deduplicate the beams' shared prefixes into one
-prefix tree that the base model verifies in a single forward pass.
+"""Dynamic tree attention: deduplicate drafts that share prefixes into one
+prefix tree that the base model verifies in a single forward pass, keeping
+only the nodes most likely to be accepted.
 
-Beams ``Mars is a red / Mars is reddish when / Mars is dark red`` share
-``Mars is``; packed, they are 8 nodes instead of 12. Node order is the beams'
-row-major order restricted to the first occurrence of each prefix, so every
-node comes after its ancestors and the root is node 0.
+Drafts ``Mars is a red / Mars is reddish when / Mars is dark red`` share
+``Mars is``; packed, they are 8 nodes instead of 12. Drafts come from any
+deterministic source (the RNN's beams, context lookup); each drafted token
+carries an estimate of P(accepted | its prefix accepted), so each node has
+P(accepted) = the product along its path (the best over the drafts through
+it). The ``max_nodes`` most likely nodes form an ancestor-closed subtree,
+since a node is never more likely than its parent. Node order keeps every
+node after its ancestors; the root, the last token already chosen, is node
+0. Built on the host from a few dozen drafted tokens per row.
 """
 
-from dataclasses import dataclass
-
+from dataclasses import dataclass, field
 import mlx.core as mx
+import numpy as np
+
+NO_TOKEN = -1  # pads beams past their end; matches no choice
+
+
+@dataclass
+class Draft:
+    """One drafted continuation of a row.
+
+    tokens: the drafted tokens after the root.
+    keys: per token, the statistics key it is judged by (source and depth).
+    estimates: per token, P(accepted | the tokens before it accepted).
+    predicted: per token, the source's own prediction (the drafter's
+        probability; 1 for lookup), what ``AcceptanceStats`` calibrates.
+    """
+
+    tokens: list
+    keys: list
+    estimates: list
+    predicted: list
+
+
+@dataclass
+class RowTree:
+    """One row's pruned tree, on the host.
+
+    tokens, parents, depths: per node (parent -1 for the root).
+    probs: per node, estimated P(accepted).
+    judged: per node, the (key, predicted) pairs of the drafts through it.
+    """
+
+    tokens: list
+    parents: list
+    depths: list
+    probs: list
+    judged: list = field(default_factory=list)
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.tokens)
+
+    def leaves(self) -> list[int]:
+        has_child = set(self.parents)
+        return [i for i in range(self.num_nodes) if i not in has_child]
+
+    def path(self, node: int) -> list[int]:
+        nodes = []
+        while node >= 0:
+            nodes.append(node)
+            node = self.parents[node]
+        return nodes[::-1]
+
+
+def candidate_tree(root: int, drafts: list[Draft]) -> RowTree:
+    """The prefix tree of all drafts (root first, each node after its
+    parent), with each node's estimated P(accepted)."""
+    tree = RowTree([root], [-1], [0], [1.0], [[]])
+    children = [{}]
+    for draft in drafts:
+        node, prob = 0, 1.0
+        for token, key, estimate, predicted in zip(draft.tokens, draft.keys, draft.estimates, draft.predicted):
+            prob *= min(max(estimate, 0.0), 1.0)
+            child = children[node].get(token)
+            if child is None:
+                child = children[node][token] = tree.num_nodes
+                tree.tokens.append(token)
+                tree.parents.append(node)
+                tree.depths.append(tree.depths[node] + 1)
+                tree.probs.append(prob)
+                tree.judged.append([])
+                children.append({})
+            tree.probs[child] = max(tree.probs[child], prob)
+            tree.judged[child].append((key, predicted))
+            node, prob = child, tree.probs[child]
+    return tree
+
+
+def most_likely_nodes(tree: RowTree) -> list[float]:
+    """P(accepted) of the non-root nodes, best first: the gain of keeping
+    the first K is the sum of the first K."""
+    return sorted(tree.probs[1:], reverse=True)
+
+
+def prune(tree: RowTree, max_nodes: int) -> RowTree:
+    """Keep the root and the ``max_nodes`` most likely other nodes (ties go
+    to the shallower, then the earlier node, so parents come first)."""
+    ranked = sorted(range(1, tree.num_nodes), key=lambda i: (-tree.probs[i], tree.depths[i], i))
+    kept = [0] + sorted(ranked[:max_nodes])
+    new_index = {old: new for new, old in enumerate(kept)}
+    return RowTree(
+        [tree.tokens[i] for i in kept],
+        [new_index[tree.parents[i]] if i else -1 for i in kept],
+        [tree.depths[i] for i in kept],
+        [tree.probs[i] for i in kept],
+        [tree.judged[i] for i in kept],
+    )
 
 
 @dataclass
 class Tree:
-    """A batch of packed prefix trees, padded to ``nodes`` per row.
+    """A batch of pruned trees as device arrays, padded to ``nodes`` per row.
 
     tokens: (batch, nodes) token id of each node.
-    depths: (batch, nodes) depth of each node; the root (beam column 0) is 0.
+    depths: (batch, nodes) depth of each node; the root is 0.
     mask: (batch, nodes, nodes) bool, node i may attend to node j: j is i or
-        one of its ancestors, and j is a real node.
-    unpack: (batch, beam_width, beam_length) index of the node holding each
-        beam position, so ``tokens[unpack] == beams`` row by row.
-    num_nodes: (batch,) number of real nodes; padding nodes follow them.
+        one of its ancestors (a padding node sees only itself).
+    beams: (batch, leaves, length) the root-to-leaf paths' tokens, padded
+        with NO_TOKEN; a padding beam repeats the first.
+    unpack: (batch, leaves, length) the node index of each beam position
+        (past a beam's end, its leaf), so ``tokens[unpack] == beams`` where
+        beams hold a token.
+    num_nodes: (batch,) host list of real nodes per row.
     """
 
     tokens: mx.array
     depths: mx.array
     mask: mx.array
+    beams: mx.array
     unpack: mx.array
-    num_nodes: mx.array
-
-    def truncate(self, nodes: int) -> "Tree":
-        """Keep the first ``nodes`` nodes of every row (at least max(num_nodes))."""
-        return Tree(
-            self.tokens[:, :nodes],
-            self.depths[:, :nodes],
-            self.mask[:, :nodes, :nodes],
-            self.unpack,
-            self.num_nodes,
-        )
+    num_nodes: list
 
 
-def pack_beams(beams: mx.array) -> Tree:
-    """Build the prefix tree of ``beams`` (batch, beam_width, beam_length).
+def pack(rows: list[RowTree]) -> Tree:
+    """Device arrays for a batch of row trees."""
+    nodes = max(r.num_nodes for r in rows)
+    paths = [[r.path(leaf) for leaf in r.leaves()] for r in rows]
+    leaves = max(len(p) for p in paths)
+    length = max(2, max(len(path) for p in paths for path in p))
+    batch = len(rows)
+    tokens = np.zeros((batch, nodes), np.int32)
+    depths = np.zeros((batch, nodes), np.int32)
+    mask = np.broadcast_to(np.eye(nodes, dtype=bool), (batch, nodes, nodes)).copy()
+    beams = np.full((batch, leaves, length), NO_TOKEN, np.int32)
+    unpack = np.zeros((batch, leaves, length), np.int32)
+    for b, (row, row_paths) in enumerate(zip(rows, paths)):
+        n = row.num_nodes
+        tokens[b, :n], depths[b, :n] = row.tokens, row.depths
+        for i in range(1, n):
+            mask[b, i, :n] |= mask[b, row.parents[i], :n]
+        row_paths = row_paths + [row_paths[0]] * (leaves - len(row_paths))
+        for w, path in enumerate(row_paths):
+            beams[b, w, : len(path)] = [row.tokens[i] for i in path]
+            unpack[b, w, : len(path)] = path
+            unpack[b, w, len(path) :] = path[-1]
+    return Tree(mx.array(tokens), mx.array(depths), mx.array(mask), mx.array(beams), mx.array(unpack), [r.num_nodes for r in rows])
 
-    The result has beam_width * beam_length node slots per row (a static
-    shape, so no host synchronisation); real nodes come first. Call
-    ``Tree.truncate(max(num_nodes))`` once the counts are known.
-    """
-    batch, width, length = beams.shape
-    slots = width * length
-    # shared[b, v, w, l]: beams v and w agree on positions 0..l.
-    same = beams[:, :, None, :] == beams[:, None, :, :]
-    shared = mx.cumprod(same.astype(mx.int32), axis=-1).astype(mx.bool_)  # (B, W, W, L)
-    # The first beam holding each prefix owns its node.
-    owner = mx.argmax(shared, axis=2)  # (B, W, L)
-    beam_index = mx.arange(width)[None, :, None]
-    position = mx.arange(length)[None, None, :]
-    is_node = (owner == beam_index).reshape(batch, slots)
-    slot = (beam_index * length + position).reshape(1, slots)
 
-    # Packed index of each real slot, and the slot behind each packed index.
-    rank = mx.cumsum(is_node.astype(mx.int32), axis=-1) - 1  # (B, slots)
-    owner_slot = (owner * length + position).reshape(batch, slots)
-    unpack = mx.take_along_axis(rank, owner_slot, axis=-1).reshape(batch, width, length)
-    order = mx.argsort(mx.where(is_node, slot, slot + slots), axis=-1)  # (B, slots)
-    num_nodes = is_node.sum(axis=-1)
+def beam_drafts(beams: np.ndarray, conditionals: np.ndarray, estimate) -> list[Draft]:
+    """One row's RNN beams as drafts. beams (W, L) with column 0 the root,
+    conditionals (W, L - 1) the drafter's probability of each drafted token
+    given its prefix; ``estimate(key, predicted)`` calibrates them."""
+    drafts = []
+    for tokens, probs in zip(beams[:, 1:].tolist(), conditionals.tolist()):
+        keys = [("rnn", d) for d in range(1, len(tokens) + 1)]
+        drafts.append(Draft(tokens, keys, [estimate(k, p) for k, p in zip(keys, probs)], probs))
+    return drafts
 
-    # Ancestor-or-self in slot coordinates: slot (v, k) is an ancestor of
-    # (w, l) when k <= l and the beams agree up to k.
-    slot_beam, slot_pos = mx.arange(slots) // length, mx.arange(slots) % length
-    ancestor = shared[:, slot_beam[:, None], slot_beam[None, :], slot_pos[None, :]]
-    ancestor = ancestor & (slot_pos[None, :] <= slot_pos[:, None])  # (B, slots, slots)
-    ancestor = mx.take_along_axis(ancestor, order[:, :, None], axis=1)
-    ancestor = mx.take_along_axis(ancestor, order[:, None, :], axis=2)
-    real = mx.arange(slots)[None, :] < num_nodes[:, None]
-    mask = ancestor & real[:, None, :]
 
-    flat = beams.reshape(batch, slots)
-    tokens = mx.take_along_axis(flat, order, axis=-1)
-    depths = (order % length).astype(mx.int32)
-    return Tree(tokens, depths, mask, unpack, num_nodes)
+def lookup_drafts(proposals: list, estimate) -> list[Draft]:
+    """Context-lookup continuations ``(tokens, n)`` as drafts, judged per
+    matched n-gram length and depth."""
+    drafts = []
+    for tokens, n in proposals:
+        keys = [(f"lookup{n}", d) for d in range(1, len(tokens) + 1)]
+        drafts.append(Draft(tokens, keys, [estimate(k, 1.0) for k in keys], [1.0] * len(tokens)))
+    return drafts
+

@@ -1,6 +1,13 @@
 """Tiny random models and drafters shared by the tests."""
 
+import os
+import tempfile
+
 import redrafter_mlx  # noqa: F401  (preloads OpenBLAS before mlx.core)
+
+# Cost curves measured by the tests go to a folder of their own, also for
+# the command-line processes they start.
+os.environ.setdefault("REDRAFTER_MLX_CACHE", tempfile.mkdtemp(prefix="redrafter-cost-"))
 
 import mlx.core as mx
 import mlx.nn as nn

@@ -151,22 +151,26 @@ def test_distill_then_train_on_two_folders_gives_a_drafter_generate_loads(tmp_pa
 def test_bench_writes_json_and_plot(smol_drafter, tmp_path):
     pytest.importorskip("matplotlib")
     result = run_cli(
-        "bench", "--drafter", smol_drafter, "--every", 3, "--num-prompts", 1, "--max-tokens", 6, "--beam-widths", "1,2",
-        "--beam-lengths", 2, "--json", tmp_path / "b.json", "--plot", tmp_path / "b.png",
+        "bench", "--drafter", smol_drafter, "--every", 3, "--num-prompts", 1, "--max-tokens", 6, "--configs", "auto,lookup,rnn:2x3,both:1x2",
+        "--json", tmp_path / "b.json", "--plot", tmp_path / "b.png",
     )
     assert result.returncode == 0, result.stderr
     assert "OpenBLAS" in result.stdout or "Accelerate" in result.stdout or "BLAS" in result.stdout
+    assert "verification cost" in result.stdout and "RNN beam search" in result.stdout
     report = json.loads((tmp_path / "b.json").read_text())
-    assert {"environment", "settings", "results"} <= set(report)
+    assert {"environment", "settings", "results", "cost_curve"} <= set(report)
     assert report["environment"]["mlx"] and report["environment"]["dtype"] == "float32"
     assert report["settings"]["every"] == 3 and report["settings"]["num_prompts"] == 1
     weights = (Path(smol_drafter) / "model.safetensors").read_bytes()
     assert report["settings"]["drafter_sha256"] == hashlib.sha256(weights).hexdigest()[:16]
-    assert [(r["beam_width"], r["beam_length"]) for r in report["results"]] == [(1, 2), (2, 2)]
+    assert [r["config"] for r in report["results"]] == ["auto", "lookup", "rnn:2x3", "both:1x2"]
     for r in report["results"]:
         assert r["greedy_mismatches"] == 0 and r["baseline_tps"] > 0 and r["tokens_per_step"] >= 1
+        assert r["nodes_per_step"] >= 1 and r["overhead_share"] >= 0
         assert abs(sum(r["time_split"].values()) - 1) < 1e-6
+    assert report["results"][2]["nodes_per_step"] > 1  # rnn:2x3 verifies its beams
     assert (tmp_path / "b.png").read_bytes()[:4] == b"\x89PNG"
+    assert_clean_error(run_cli("bench", "--configs", "fast"), "unknown bench configuration")
 
 
 def test_help_lists_every_command_and_option_defaults():
@@ -187,3 +191,93 @@ def test_installed_entry_point_runs():
 
     result = subprocess.run([executable, "--help"], capture_output=True, text=True)
     assert result.returncode == 0 and "generate" in result.stdout
+
+
+def mlx_lm_greedy_answer(question, max_tokens):
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+
+    from redrafter_mlx.loading import load_base_model
+
+    model, tokenizer = load_base_model(None)
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True)
+    expected = []
+    for token, _ in generate_step(mx.array(tokenizer.encode(prompt, add_special_tokens=False)), model, max_tokens=max_tokens):
+        if token in tokenizer.eos_token_ids:
+            break
+        expected.append(token)
+    return expected
+
+
+def test_lookup_only_and_the_shipped_drafter_found_by_model_identity(tmp_path):
+    """--drafter none drafts by context lookup alone; the default model
+    copied elsewhere and passed with --model still gets its shipped drafter;
+    all of them keep mlx-lm's greedy output."""
+    from redrafter_mlx.gguf import default_model_path
+
+    question = "Repeat this list twice: apples, pears, plums, figs."
+    expected = mlx_lm_greedy_answer(question, 40)
+    lookup = run_cli("generate", "--drafter", "none", "--prompt", question, "--max-tokens", 40, "--json")
+    assert lookup.returncode == 0, lookup.stderr
+    out = json.loads(lookup.stdout)
+    assert out["tokens"] == expected and out["tokens_per_step"] > 1.2 and out["nodes_per_step"] > 1
+
+    copy = tmp_path / "elsewhere" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    copy.parent.mkdir()
+    shutil.copyfile(default_model_path(), copy)
+    found = run_cli("generate", "--model", copy, "--prompt", question, "--max-tokens", 40, "--no-lookup", "--json")
+    assert found.returncode == 0, found.stderr
+    assert "context lookup only" not in found.stderr
+    out = json.loads(found.stdout)
+    assert out["tokens"] == expected and out["tokens_per_step"] > 1.0
+
+
+def test_a_model_with_no_shipped_drafter_drafts_by_lookup_and_says_so(chat_model):
+    model, _, _, _, _ = chat_model
+    result = run_cli("generate", "--model", model, "--prompt", "pick a word", "--max-tokens", 8, "--json")
+    assert result.returncode == 0, result.stderr
+    assert "no drafter is shipped for this model; drafting by context lookup only" in result.stderr
+    assert json.loads(result.stdout)["generation_tokens"] >= 1
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--max-nodes", -1], "max nodes"),
+        (["--max-nodes", "many"], "--max-nodes takes a whole number"),
+        (["--lookup-max-ngram", 0], "lookup max n-gram"),
+        (["--lookup-beams", 0], "lookup beams"),
+        (["--drafter", "none", "--beam-width", 4], "does not go with --drafter none"),
+        (["--model", "/no/such/path"], "model not found: /no/such/path"),
+        (["--model", "missing.gguf"], "model not found: missing.gguf"),
+    ],
+)
+def test_bad_drafting_options_get_one_error_line(args, message):
+    assert_clean_error(run_cli("generate", "--prompt", "hi", *args), message)
+
+
+def test_a_prompt_that_is_not_utf8_gets_one_error_line():
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    result = subprocess.run(
+        [sys.executable, "-m", "redrafter_mlx.cli", "generate", "--prompt", "-"], input=b"caf\xe9 \xff\xfe",
+        capture_output=True, cwd=root, env=dict(os.environ, PYTHONPATH=root), timeout=300,
+    )
+    result.stdout, result.stderr = result.stdout.decode(), result.stderr.decode()
+    assert_clean_error(result, "not UTF-8")
+
+
+def test_loading_warns_when_mlx_runs_on_the_reference_blas():
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = "import mlx.core; import redrafter_mlx; from redrafter_mlx.loading import warn_if_slow_blas; warn_if_slow_blas()"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root, env=dict(os.environ, PYTHONPATH=root))
+    assert result.returncode == 0
+    if sys.platform.startswith("linux"):
+        assert result.stderr.count("\n") == 1 and "slow reference BLAS" in result.stderr

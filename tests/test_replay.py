@@ -7,6 +7,7 @@ from conftest import OracleDrafter, tiny_model
 
 from redrafter_mlx.base_model import BaseModel
 from redrafter_mlx.distill import DataFolder, distill, response_stream
+from redrafter_mlx.drafting import DraftSettings
 from redrafter_mlx.generate import ReDrafter, generate_steps
 from redrafter_mlx.replay import accepted_lengths, count_steps, in_vocabulary_lengths, tokens_per_step
 from redrafter_mlx.sampling import SamplingSettings
@@ -52,7 +53,7 @@ def test_replay_takes_as_many_steps_as_real_generation(tmp_path, shape):
         prompt_length = int(sequences.prompt_lengths[i])
         sequence = sequences.sequence(i).tolist()
         tokens, steps = [], 0
-        for step in generate_steps(redrafter, [sequence[:prompt_length]], max_tokens=int(counts[i]), beam_width=width, beam_length=length):
+        for step in generate_steps(redrafter, [sequence[:prompt_length]], max_tokens=int(counts[i]), draft=DraftSettings.rnn_only(width, length)):
             tokens += step[0].tokens
             steps += step[0].num_accepted is not None
         assert tokens == sequence[prompt_length:]

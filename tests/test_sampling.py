@@ -14,14 +14,14 @@ from scipy.stats import chisquare
 from redrafter_mlx.autoregressive import autoregressive_steps
 from redrafter_mlx.base_model import BaseModel
 from redrafter_mlx.errors import UserError
-from redrafter_mlx.generate import ReDrafter, generate_steps
 from redrafter_mlx.api import batch_generate
-from redrafter_mlx.generate import TokenHistory
+from redrafter_mlx.drafting import DraftSettings
+from redrafter_mlx.generate import ReDrafter, TokenHistory, generate_steps
 from redrafter_mlx.loading import load
 from redrafter_mlx.sampling import SamplingSettings, gumbel_noise, make_chooser, open_uniform, row_seed
 
 VOCAB = 8
-PROMPT = [1, 5, 2, 7]
+PROMPT = [1, 5, 2, 7, 1, 5, 2]  # repeats itself, so context lookup proposes drafts
 SAMPLES = 4000
 SETTINGS = [dict(temp=1.0), dict(temp=0.7), dict(temp=1.0, top_p=0.9)]
 
@@ -78,11 +78,22 @@ def assert_same_distribution(counts, joint, min_p=1e-3):
     return p_value
 
 
-def redrafter_counts(base, drafter, settings, shape):
+def draft_settings(mode, shape):
+    """rnn: the RNN's beams, all verified; both: and one lookup continuation,
+    all verified; auto: both, pruned by the cost of this machine."""
+    if mode == "auto":
+        return DraftSettings(*shape)
+    draft = DraftSettings.rnn_only(*shape)
+    if mode == "both":
+        draft.lookup, draft.max_nodes = True, draft.max_nodes + shape[1] - 1
+    return draft
+
+
+def redrafter_counts(base, drafter, settings, shape, mode="rnn"):
     chooser = make_chooser(SamplingSettings(**settings, row_seeds=list(range(SAMPLES))))
     counts = np.zeros((VOCAB,) * 3, int)
     outputs = [[] for _ in range(SAMPLES)]
-    for step in generate_steps(ReDrafter(base, drafter), [PROMPT] * SAMPLES, max_tokens=3, beam_width=shape[0], beam_length=shape[1], choose=chooser):
+    for step in generate_steps(ReDrafter(base, drafter), [PROMPT] * SAMPLES, max_tokens=3, draft=draft_settings(mode, shape), choose=chooser):
         for out in step:
             outputs[out.row] += out.tokens
     for tokens in outputs:
@@ -92,12 +103,19 @@ def redrafter_counts(base, drafter, settings, shape):
 
 @pytest.mark.parametrize("settings", SETTINGS, ids=lambda s: "-".join(f"{k}{v}" for k, v in s.items()))
 @pytest.mark.parametrize("shape", [(1, 3), (4, 3)], ids=["1x3", "4x3"])
-@pytest.mark.parametrize("drafter_kind", ["likely", "unlikely"])
-def test_sampled_tokens_have_the_base_models_distribution(base, settings, shape, drafter_kind):
+@pytest.mark.parametrize("drafter_kind, mode", [("likely", "rnn"), ("unlikely", "rnn"), ("likely", "auto"), ("like_lookup", "both")])
+def test_sampled_tokens_have_the_base_models_distribution(base, settings, shape, drafter_kind, mode):
+    """like_lookup: the drafter prefers 1 then 5, which the lookup proposes
+    after 7 (PROMPT repeats 7, 1, 5), so RNN and lookup drafts share
+    prefixes in the tree."""
     joint, _ = exact_distribution(base, settings)
     marginal = joint.sum(axis=(1, 2)) + joint.sum(axis=(0, 2)) + joint.sum(axis=(0, 1))
-    preference = np.log(marginal + 1e-9) if drafter_kind == "likely" else -np.log(marginal + 1e-9)
-    counts = redrafter_counts(base, FixedDrafter(preference), settings, shape)
+    preference = {
+        "likely": np.log(marginal + 1e-9),
+        "unlikely": -np.log(marginal + 1e-9),
+        "like_lookup": np.array([0.0, 3.0, 0.0, 0.0, 0.0, 2.0, 0.0, 0.0]),
+    }[drafter_kind]
+    counts = redrafter_counts(base, FixedDrafter(preference), settings, shape, mode)
     assert_same_distribution(counts, joint)
 
 

@@ -1,0 +1,123 @@
+"""What each step verifies: the RNN's beams and context-lookup continuations,
+merged into one prefix tree per row and pruned to the nodes worth their
+verification cost.
+
+``Speculator`` owns the per-run state: a lookup index per prompt, the
+on-line acceptance statistics, the machine's cost curve, and whether the
+RNN is worth running at all (its beam search costs time too; when lookup
+alone does better per second it is turned off, and tried again now and
+then).
+"""
+
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+from .budget import AcceptanceStats, best_node_count
+from .errors import UserError
+from .lookup import LookupIndex
+from .tree import RowTree, beam_drafts, candidate_tree, lookup_drafts, most_likely_nodes, prune
+
+RNN_RETRY_STEPS = 16  # with the RNN turned off, run it again every this many steps
+EXPLORE_STEPS = 8  # every this many steps, verify one node more than the budget chose
+RATE_MEMORY = 0.8  # weight of the past in the running rates that decide it
+
+
+@dataclass
+class DraftSettings:
+    """beam_width, beam_length: the RNN's beam search (beam_length counts the
+    root, so beam_length - 1 drafted tokens; lookup drafts as many).
+    max_nodes: drafted nodes verified per step; None chooses it each step
+    from the cost curve. lookup: propose context-lookup continuations;
+    lookup_max_ngram: longest suffix matched; lookup_beams: continuations
+    proposed per step."""
+
+    beam_width: int = 4
+    beam_length: int = 5
+    max_nodes: Optional[int] = None
+    lookup: bool = True
+    lookup_max_ngram: int = 3
+    lookup_beams: int = 1
+
+    @classmethod
+    def rnn_only(cls, beam_width: int, beam_length: int) -> "DraftSettings":
+        """The RNN's beams alone, every node verified (the paper's method)."""
+        return cls(beam_width, beam_length, max_nodes=beam_width * (beam_length - 1), lookup=False)
+
+    def check(self) -> None:
+        if self.beam_width < 1:
+            raise UserError(f"beam width must be at least 1, got {self.beam_width}")
+        if self.beam_length < 2:
+            raise UserError(f"beam length must be at least 2, got {self.beam_length}")
+        if self.max_nodes is not None and self.max_nodes < 0:
+            raise UserError(f"max nodes must be at least 0, got {self.max_nodes}")
+        if self.lookup_max_ngram < 1:
+            raise UserError(f"lookup max n-gram must be at least 1, got {self.lookup_max_ngram}")
+        if self.lookup_beams < 1:
+            raise UserError(f"lookup beams must be at least 1, got {self.lookup_beams}")
+
+
+class Speculator:
+    """Per-run drafting state for a batch.
+
+    contexts: per input prompt, its context list (the row tracker's, which
+        grows as tokens are committed). cost: the cost curve (``CostCurve``)
+        when ``max_nodes`` is None.
+    """
+
+    def __init__(self, settings: DraftSettings, has_drafter: bool, contexts: list, cost=None):
+        self.settings = settings
+        self.has_drafter = has_drafter
+        self.cost = cost
+        self.stats = AcceptanceStats()
+        self.indexes = {}
+        if settings.lookup:
+            self.indexes = {r: LookupIndex(c, settings.lookup_max_ngram, settings.lookup_beams) for r, c in enumerate(contexts)}
+        self.rnn_on = has_drafter
+        self.rates = {"rnn": None, "lookup": None}  # running tokens/s with and without the RNN
+        self.steps_off = 0
+        self.steps = 0
+
+    def use_rnn(self) -> bool:
+        """Whether the next step drafts with the RNN."""
+        if not self.has_drafter:
+            return False
+        if self.rnn_on:
+            return True
+        self.steps_off += 1
+        return self.steps_off % RNN_RETRY_STEPS == 0
+
+    def trees(self, rows: list, roots: list, beams: Optional[np.ndarray], conditionals: Optional[np.ndarray]) -> list[RowTree]:
+        """The tree each row verifies. rows: input index per batch row;
+        roots: each row's last chosen token; beams (B, W, L) and
+        conditionals (B, W, L - 1): the RNN's beams and the drafter's
+        probability of each drafted token, or None when it did not run."""
+        estimate = self.stats.estimate
+        length = self.settings.beam_length - 1
+        lookups = [lookup_drafts(self.indexes[r].propose(length), estimate) if self.indexes else [] for r in rows]
+        rnn = [[] for _ in rows] if beams is None else [beam_drafts(b, c, estimate) for b, c in zip(beams, conditionals)]
+        candidates = [candidate_tree(root, a + b) for root, a, b in zip(roots, rnn, lookups)]
+        if self.settings.max_nodes is not None:
+            return [prune(t, self.settings.max_nodes) for t in candidates]
+        gains = [most_likely_nodes(t) for t in candidates]
+        draft_seconds = self.cost.draft_seconds if beams is not None else 0.0
+        count, rate = best_node_count(gains, self.cost, max(map(len, gains)), draft_seconds)
+        self.steps += 1
+        if self.steps % EXPLORE_STEPS == 0:
+            # Nodes left out are never observed, so their estimates would
+            # never recover: now and then one more is tried.
+            count += 1
+        if beams is not None and self.indexes:
+            lookup_only = [most_likely_nodes(candidate_tree(root, d)) for root, d in zip(roots, lookups)]
+            self._remember("rnn", rate)
+            self._remember("lookup", best_node_count(lookup_only, self.cost, max(map(len, lookup_only)))[1])
+            self.rnn_on = self.rates["rnn"] >= self.rates["lookup"]
+        return [prune(t, count) for t in candidates]
+
+    def _remember(self, name: str, rate: float) -> None:
+        past = self.rates[name]
+        self.rates[name] = rate if past is None else RATE_MEMORY * past + (1 - RATE_MEMORY) * rate
+
+    def observe(self, trees: list, paths: np.ndarray, num_accepted: np.ndarray) -> None:
+        self.stats.observe_step(trees, paths.tolist(), num_accepted.tolist())
