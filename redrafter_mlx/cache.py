@@ -167,6 +167,9 @@ class TreeKVCache:
         to each row's end, ``lengths[b] .. lengths[b] + P``. Only the
         accepted prefix of the path is kept (the caller advances lengths)."""
         start = self.layout.start
+        # The gather and scatter below are not bounds-checked: targets must
+        # stay inside the buffer that holds the block.
+        assert start + path.shape[1] <= self.keys.shape[2], "path longer than the verified block"
         source = (start + path)[:, None, :, None]
         target = mx.array(self.layout.lengths, mx.int32)[:, None, None, None]
         target = target + mx.arange(path.shape[1])[None, None, :, None]

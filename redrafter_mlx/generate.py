@@ -1,10 +1,13 @@
 """The ReDrafter generation loop.
 
-One step: draft beams with the RNN, pack them into a prefix tree, verify the
-tree in one forward pass of the base model, accept the longest agreeing path
-plus a bonus token, and keep only that path in the KV cache. The next step's
-drafting is built into the same lazy graph, so each step has exactly one
-host synchronisation: reading the accepted tokens and the next tree's size.
+One step: draft with the RNN's beam search and with context lookup, merge
+the drafts into one prefix tree per row, keep the nodes worth their
+verification cost, verify the tree in one forward pass of the base model,
+accept the longest agreeing path plus a bonus token, and keep only that path
+in the KV cache. The next step's beam search is built into the same lazy
+graph, so each step has exactly one host synchronisation: reading the
+accepted tokens and the next beams; the tree is then built on the host from
+them and the row's context.
 """
 
 import time

@@ -142,7 +142,7 @@ def pack(rows: list[RowTree]) -> Tree:
     nodes = max(r.num_nodes for r in rows)
     paths = [[r.path(leaf) for leaf in r.leaves()] for r in rows]
     leaves = max(len(p) for p in paths)
-    length = max(2, max(len(path) for p in paths for path in p))
+    length = max(len(path) for p in paths for path in p)  # never past the nodes: the cache holds no more
     batch = len(rows)
     tokens = np.zeros((batch, nodes), np.int32)
     depths = np.zeros((batch, nodes), np.int32)

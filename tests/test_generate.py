@@ -3,6 +3,7 @@
 import itertools
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from conftest import OracleDrafter, tiny_drafter, tiny_model
 from mlx_lm.generate import generate_step
@@ -130,3 +131,13 @@ def test_bad_settings(kwargs, message):
     prompt = [1, 2, 3] * (kwargs.pop("prompt_length", 3) // 3)
     with pytest.raises(UserError, match=message):
         run(redrafter, [prompt], **kwargs)
+
+
+def test_plain_decoding_steps_across_the_cache_growth_boundary():
+    """Root-only trees (no drafted node) whose block ends exactly where the KV
+    buffer does: the accepted path never reaches past the block."""
+    base = BaseModel(tiny_model("llama", seed=4))
+    prompt = np.random.default_rng(0).integers(0, 256, size=250).tolist()
+    reference = mlx_lm_greedy(base.model, prompt, 12)
+    (tokens,), accepted = run(ReDrafter(base, None), [prompt], max_tokens=12, max_nodes=0, lookup=False)
+    assert tokens == reference[:12] and set(accepted) == {0}

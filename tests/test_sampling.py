@@ -315,3 +315,9 @@ def test_batched_greedy_equals_each_prompts_solo_run(batch_size):
 def test_bad_sampling_settings(settings, message):
     with pytest.raises(UserError, match=message):
         SamplingSettings(**settings)
+
+
+def test_too_few_row_seeds_is_one_clear_error():
+    choose = make_chooser(SamplingSettings(temp=1.0, row_seeds=[1, 2]))
+    with pytest.raises(UserError, match="row_seeds holds 2 seeds"):
+        choose(mx.zeros((1, 1, 8)), TokenHistory([2], [[0]]))
