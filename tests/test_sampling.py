@@ -3,6 +3,7 @@ batched generation keeps greedy parity."""
 
 import itertools
 import json
+import sys
 from collections import Counter
 
 import mlx.core as mx
@@ -15,6 +16,7 @@ from redrafter_mlx.autoregressive import autoregressive_steps
 from redrafter_mlx.base_model import BaseModel
 from redrafter_mlx.errors import UserError
 from redrafter_mlx.api import batch_generate
+from redrafter_mlx.cost import CostCurve
 from redrafter_mlx.drafting import DraftSettings
 from redrafter_mlx.generate import ReDrafter, TokenHistory, generate_steps
 from redrafter_mlx.loading import load
@@ -104,10 +106,13 @@ def redrafter_counts(base, drafter, settings, shape, mode="rnn"):
 @pytest.mark.parametrize("settings", SETTINGS, ids=lambda s: "-".join(f"{k}{v}" for k, v in s.items()))
 @pytest.mark.parametrize("shape", [(1, 3), (4, 3)], ids=["1x3", "4x3"])
 @pytest.mark.parametrize("drafter_kind, mode", [("likely", "rnn"), ("unlikely", "rnn"), ("likely", "auto"), ("like_lookup", "both")])
-def test_sampled_tokens_have_the_base_models_distribution(base, settings, shape, drafter_kind, mode):
+def test_sampled_tokens_have_the_base_models_distribution(base, settings, shape, drafter_kind, mode, monkeypatch):
     """like_lookup: the drafter prefers 1 then 5, which the lookup proposes
     after 7 (PROMPT repeats 7, 1, 5), so RNN and lookup drafts share
-    prefixes in the tree."""
+    prefixes in the tree. auto prunes by a fixed steep cost curve (measuring
+    one at a batch of 4,000 would take longer than the test)."""
+    steep = CostCurve([1, 2, 4, 8], [1.0, 1.3, 1.9, 3.5], draft_seconds=0.1)
+    monkeypatch.setattr(sys.modules["redrafter_mlx.generate"], "cost_curve", lambda *args, **kwargs: steep)
     joint, _ = exact_distribution(base, settings)
     marginal = joint.sum(axis=(1, 2)) + joint.sum(axis=(0, 2)) + joint.sum(axis=(0, 1))
     preference = {
