@@ -14,6 +14,7 @@ node after its ancestors; the root, the last token already chosen, is node
 """
 
 from dataclasses import dataclass, field
+
 import mlx.core as mx
 import numpy as np
 
