@@ -224,7 +224,7 @@ def test_copies_of_one_prompt_across_chunks_sample_the_exact_distribution(chat_m
     model, drafter, _, exact, _ = chat_model
     redrafter, tokenizer = load(model, drafter)
     choose = make_chooser(SamplingSettings(**CHAT_SETTINGS[index], seed=5))
-    results = batch_generate(redrafter, tokenizer, [CHAT_PROMPT] * SAMPLES, 2, batch_size=500, beam_width=shape[0], beam_length=shape[1], choose=choose)
+    results = batch_generate(redrafter, tokenizer, [CHAT_PROMPT] * SAMPLES, 2, batch_size=500, beam_width=shape[0], beam_length=shape[1], max_nodes=shape[0] * (shape[1] - 1), choose=choose)
     assert sum(r.step_tokens for r in results) > 1.3 * sum(r.steps for r in results)  # drafts are accepted
     joint = copies_exact_distribution(exact[index])
     assert_same_distribution(pair_counts([r.tokens for r in results], len(joint)), joint)
