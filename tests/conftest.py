@@ -9,6 +9,8 @@ import redrafter_mlx  # noqa: F401  (preloads OpenBLAS before mlx.core)
 # the command-line processes they start.
 os.environ.setdefault("REDRAFTER_MLX_CACHE", tempfile.mkdtemp(prefix="redrafter-cost-"))
 
+import sys
+
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
@@ -16,11 +18,24 @@ import pytest
 from mlx_lm.models import gemma3_text, llama, qwen2
 
 from redrafter_mlx.base_model import BaseModel
+from redrafter_mlx.cost import CostCurve
 from redrafter_mlx.drafter import Drafter, DrafterArgs
 from redrafter_mlx.generate import ReDrafter
 
 VOCAB = 256
 HIDDEN = 64
+
+
+# The relative cost of N new tokens measured on a 2-core CPU (the default
+# model after 200 tokens): in-process tests size their trees by it, so what
+# they verify does not depend on the machine that runs them. test_cost
+# measures real curves; command-line tests, in their own processes, too.
+CPU_CURVE = CostCurve([1, 2, 3, 4, 6, 8, 12, 16, 32], [1.0, 1.10, 1.24, 1.33, 1.41, 1.46, 2.0, 2.0, 2.9], draft_seconds=0.1)
+
+
+@pytest.fixture(autouse=True)
+def fixed_cost_curve(monkeypatch):
+    monkeypatch.setattr(sys.modules["redrafter_mlx.generate"], "cost_curve", lambda *args, **kwargs: CPU_CURVE)
 
 
 def tiny_model(kind: str = "llama", seed: int = 0, quantize: bool = False, vocab: int = VOCAB) -> nn.Module:
@@ -128,9 +143,7 @@ class OracleDrafter:
 
 def run_cli(*args, input=None, timeout=600):
     """Run the command line from this checkout; returns the completed process."""
-    import os
     import subprocess
-    import sys
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=root)

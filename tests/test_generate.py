@@ -72,7 +72,8 @@ def test_oracle_drafter_accepts_every_beam(base_and_reference, shape):
     base, prompt, reference = base_and_reference
     width, length = shape
     drafter = OracleDrafter(base, [prompt + reference])
-    (tokens,), accepted = run(ReDrafter(base, drafter), [prompt], max_tokens=NUM_TOKENS, beam_width=width, beam_length=length)
+    budget = dict(max_nodes=width * (length - 1), lookup=False)  # verify every drafted node
+    (tokens,), accepted = run(ReDrafter(base, drafter), [prompt], max_tokens=NUM_TOKENS, beam_width=width, beam_length=length, **budget)
     assert tokens == reference[:NUM_TOKENS]
     # Every step but possibly the last (cut by max_tokens) accepts it all.
     assert all(a == length - 1 for a in accepted)
@@ -88,7 +89,7 @@ def test_kv_cache_after_steps_equals_plain_prefill(monkeypatch):
     original = BaseModel.make_cache
     monkeypatch.setattr(BaseModel, "make_cache", lambda self, pad: made.append(original(self, pad)) or made[-1])
     (tokens,), accepted = run(redrafter, [prompt], max_tokens=30, beam_width=3, beam_length=4)
-    layout, cache = made[-1]  # the first may be the cost curve's measurement
+    layout, cache = made[-1]
     length = int(layout.lengths[0])
     assert length > len(prompt) + 10 and len(set(accepted)) > 1
     committed = prompt + tokens[: length - len(prompt)]
