@@ -279,7 +279,8 @@ def bench(
 
 @app.command()
 def distill(
-    prompts: str = typer.Option(..., "--prompts", help="JSONL file with a \"prompt\" field per line (the chat template is applied)."),
+    prompts: Optional[str] = typer.Option(None, "--prompts", help="JSONL file with a \"prompt\" field per line (the chat template is applied)."),
+    self_prompts: Optional[int] = typer.Option(None, "--self-prompts", help="Instead of --prompts: the model writes N distinct user turns itself (sampled at temperature 1 from its chat template's user-turn header; empty, truncated and repeated ones dropped), kept in OUTPUT/self-prompts.jsonl, then answers them."),
     output: str = typer.Option(..., "--output", "-o", help="Data folder to create, or to resume."),
     model: Optional[str] = MODEL,
     max_tokens: int = typer.Option(256, "--max-tokens", "-n", help="Maximum response tokens per prompt."),
@@ -292,25 +293,39 @@ def distill(
     dtype: Optional[str] = DTYPE,
 ):
     """Generate distillation data: the base model's own responses to prompts."""
+    from pathlib import Path
+
     from redrafter_mlx.api import encode_prompt
     from redrafter_mlx.base_model import BaseModel
-    from redrafter_mlx.distill import DataFolder, distill as run_distill, response_stream
+    from redrafter_mlx.distill import DataFolder, check_resumable, distill as run_distill, response_stream
     from redrafter_mlx.prompts import read_prompts
     from redrafter_mlx.loading import load_base_model
     from redrafter_mlx.sampling import SamplingSettings
+    from redrafter_mlx.self_prompts import PROMPTS_FILE, user_turn, write_self_prompts
 
+    if (prompts is None) == (self_prompts is None):
+        fail("give either --prompts FILE or --self-prompts N")
+    if self_prompts is not None and self_prompts < 1:
+        fail(f"--self-prompts must be at least 1, got {self_prompts}")
     if max_tokens < 1 or batch_size < 1 or samples < 1:
         fail("--max-tokens, --batch-size and --samples must be at least 1")
     if samples > 1 and temp == 0:
         fail("--samples above 1 needs --temp above 0: greedy responses to a prompt are all the same")
     sampling = SamplingSettings(temp=temp, top_p=top_p, seed=seed)
-    texts = read_prompts(prompts)[:limit]
+    texts = read_prompts(prompts)[:limit] if prompts else None
+    folder = DataFolder(output)
+    settings = dict(model=model or "default", max_tokens=max_tokens, temp=temp, top_p=top_p, seed=seed)
+    if self_prompts is not None:
+        settings["self_prompts"] = self_prompts
+        check_resumable(folder, settings)  # before writing the prompts into it
     base_model, tokenizer = load_base_model(model, _dtype(dtype))
     base = BaseModel(base_model)
+    if self_prompts is not None:
+        turn = user_turn(tokenizer)
+        texts = write_self_prompts(base, tokenizer.decode, turn, self_prompts, Path(output) / PROMPTS_FILE, seed=seed, batch_size=batch_size)
 
     generate = response_stream(base, max_tokens, sampling, tokenizer.eos_token_ids)
-    settings = dict(model=model or "default", max_tokens=max_tokens, temp=temp, top_p=top_p, seed=seed)
-    totals = run_distill(base, lambda text: encode_prompt(tokenizer, text), texts, DataFolder(output), settings, generate, batch_size, samples)
+    totals = run_distill(base, lambda text: encode_prompt(tokenizer, text), texts, folder, settings, generate, batch_size, samples)
     typer.echo(
         f"{totals['new_responses']} responses, {totals['new_tokens']} new tokens in {totals['seconds']:.0f} s; "
         f"{output} holds {totals['responses']} responses to {totals['prompts']} prompts"

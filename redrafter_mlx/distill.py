@@ -151,15 +151,16 @@ def _prompts_digest(prompts: list[str]) -> str:
     return hashlib.sha256(json.dumps(prompts).encode()).hexdigest()[:16]
 
 
-def prepare_folder(folder: DataFolder, prompts: list[str], settings: dict) -> None:
-    """Create the folder's metadata, or check that a resumed run matches it."""
-    settings = dict(settings, format=FORMAT_VERSION, num_prompts=len(prompts), prompts_digest=_prompts_digest(prompts))
+def check_resumable(folder: DataFolder, settings: dict) -> None:
+    """Refuse to add to a folder made with other settings (another model,
+    other sampling), or to a folder that is not a data folder; before
+    anything is written to it."""
+    from .self_prompts import PROMPTS_FILE
+
     existing = folder.meta
     if existing is None:
-        if folder.path.exists() and any(folder.path.iterdir()):
+        if folder.path.exists() and any(p.name != PROMPTS_FILE for p in folder.path.iterdir()):
             raise UserError(f"output folder {folder.path} exists and is not a distillation data folder")
-        folder.path.mkdir(parents=True, exist_ok=True)
-        (folder.path / META_FILE).write_text(json.dumps(settings, indent=2) + "\n")
         return
     differences = [k for k in settings if existing.get(k) != settings[k]]
     if differences:
@@ -167,6 +168,15 @@ def prepare_folder(folder: DataFolder, prompts: list[str], settings: dict) -> No
             f"{folder.path} was made with different settings ({', '.join(differences)}); "
             "use a new output folder"
         )
+
+
+def prepare_folder(folder: DataFolder, prompts: list[str], settings: dict) -> None:
+    """Create the folder's metadata, or check that a resumed run matches it."""
+    settings = dict(settings, format=FORMAT_VERSION, num_prompts=len(prompts), prompts_digest=_prompts_digest(prompts))
+    check_resumable(folder, settings)
+    if folder.meta is None:
+        folder.path.mkdir(parents=True, exist_ok=True)
+        (folder.path / META_FILE).write_text(json.dumps(settings, indent=2) + "\n")
 
 
 def sample_seed(seed: int, sample: int) -> int:

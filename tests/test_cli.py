@@ -281,3 +281,27 @@ def test_loading_warns_when_mlx_runs_on_the_reference_blas():
     assert result.returncode == 0
     if sys.platform.startswith("linux"):
         assert result.stderr.count("\n") == 1 and "slow reference BLAS" in result.stderr
+
+
+def test_self_prompts_bad_input_gets_one_error_line_and_loses_nothing(chat_model, tmp_path):
+    model, _, _, _, _ = chat_model
+    assert_clean_error(run_cli("distill", "-o", tmp_path / "a"), "either --prompts FILE or --self-prompts N")
+    assert_clean_error(run_cli("distill", "--self-prompts", 0, "-o", tmp_path / "a"), "--self-prompts must be at least 1")
+    # A model without a chat template has no user turn to write.
+    plain = tmp_path / "plain"
+    shutil.copytree(model, plain)
+    config = json.loads((plain / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (plain / "tokenizer_config.json").write_text(json.dumps(config))
+    for template in plain.glob("chat_template.*"):
+        template.unlink()
+    assert_clean_error(run_cli("distill", "--model", plain, "--self-prompts", 4, "-o", tmp_path / "b"), "needs a model with a chat template")
+    # A data folder made for another model is refused before anything is written.
+    folder = tmp_path / "c"
+    folder.mkdir()
+    meta = json.dumps({"model": "another", "max_tokens": 256, "temp": 0.0, "top_p": 1.0, "seed": 0, "self_prompts": 4})
+    (folder / "meta.json").write_text(meta)
+    (folder / "self-prompts.jsonl").write_text('{"prompt": "kept", "source": "self-prompts", "attempt": 0}\n')
+    assert_clean_error(run_cli("distill", "--model", model, "--self-prompts", 4, "-o", folder), "different settings (model)")
+    assert (folder / "meta.json").read_text() == meta
+    assert "kept" in (folder / "self-prompts.jsonl").read_text()
