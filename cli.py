@@ -345,6 +345,8 @@ def train(
     grad_clip: float = typer.Option(1.0, "--grad-clip", help="Clip the gradient's global norm to this."),
     hidden_dropout: float = typer.Option(0.0, "--hidden-dropout", help="Dropout on the base model's hidden state while training (against memorising it)."),
     soft_targets: float = typer.Option(0.0, "--soft-targets", help="Weight of the base model's whole next-token distribution as the target (0: only the generated tokens, the reference objective; 1: only the distribution)."),
+    warm_start: bool = typer.Option(False, "--warm-start", help="Start from the base model's own head (needs --exit-dim equal to its hidden size): the first prediction is the base model's ranking of h."),
+    hidden_loss: float = typer.Option(0.0, "--hidden-loss", help="Weight of an extra loss: the squared error between the drafter's features and the base model's next hidden states (needs --exit-dim equal to its hidden size)."),
     depth: int = typer.Option(5, "--depth", help="T: tokens drafted per position during training (teacher forcing)."),
     exit_dim: int = typer.Option(1024, "--exit-dim", help="Width of the drafter's residual blocks."),
     num_draft_layers: int = typer.Option(1, "--num-draft-layers", help="Residual blocks before the vocab projection."),
@@ -372,6 +374,8 @@ def train(
         fail("--hidden-dropout must be in [0, 1)")
     if not 0 <= soft_targets <= 1:
         fail("--soft-targets must be in [0, 1]")
+    if hidden_loss < 0:
+        fail("--hidden-loss must be at least 0")
     if min(steps, batch_size, depth, exit_dim, eval_every, save_every) < 1 or warmup < 0 or num_draft_layers < 0 or draft_vocab < 0:
         fail("--steps, --batch-size, --depth, --exit-dim, --eval-every and --save-every must be positive")
     out = Path(output)
@@ -380,7 +384,8 @@ def train(
     config = TrainConfig(
         depth=depth, exit_dim=exit_dim, num_draft_layers=num_draft_layers, rnn=rnn, draft_vocab=draft_vocab,
         dtype=drafter_dtype, steps=steps, batch_size=batch_size, learning_rate=learning_rate, warmup=warmup,
-        weight_decay=weight_decay, grad_clip=grad_clip, hidden_dropout=hidden_dropout, soft_targets=soft_targets, eval_every=eval_every, save_every=save_every, seed=seed,
+        weight_decay=weight_decay, grad_clip=grad_clip, hidden_dropout=hidden_dropout, soft_targets=soft_targets,
+        warm_start=warm_start, hidden_loss=hidden_loss, eval_every=eval_every, save_every=save_every, seed=seed,
     )
     if len({os.path.realpath(path) for path in data}) < len(data):
         fail("the same --data folder is given twice")

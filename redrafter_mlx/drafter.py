@@ -91,15 +91,20 @@ class Drafter(nn.Module):
             pre = pre + self.rnn_u.bias
         return nn.silu(pre)
 
-    def draft_logits(self, hidden: mx.array, state: mx.array) -> mx.array:
-        """Logits over the draft vocabulary. ``hidden``, ``state``:
-        (..., hidden_size) -> (..., draft_vocab_size or vocab_size)."""
+    def features(self, hidden: mx.array, state: mx.array) -> mx.array:
+        """What the vocab projection reads: (..., hidden_size) twice ->
+        (..., exit_dim)."""
         x = mx.concatenate([hidden, state], axis=-1)
         if "input_proj" in self:
             x = self.input_proj(x)
-        for layer in self.lm_head:
+        for layer in self.lm_head[:-1]:
             x = layer(x)
         return x
+
+    def draft_logits(self, hidden: mx.array, state: mx.array) -> mx.array:
+        """Logits over the draft vocabulary. ``hidden``, ``state``:
+        (..., hidden_size) -> (..., draft_vocab_size or vocab_size)."""
+        return self.lm_head[-1](self.features(hidden, state))
 
     def log_probs(self, hidden: mx.array, state: mx.array) -> mx.array:
         """Log-probabilities over the draft vocabulary, (..., draft_vocab), in

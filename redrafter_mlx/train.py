@@ -14,6 +14,15 @@ the draft vocabulary, not only the token it generated: the hidden states
 are already cached, so this costs one small matmul, and the drafter learns
 how the base model ranks the alternatives its beams will propose.
 
+Two options start from what the base model already knows. ``warm_start``
+(exit_dim = hidden_size) makes the drafter's first prediction the base
+model's own: the input projection passes h through, the residual blocks start
+as the identity, and the vocab projection starts as the base model's output
+head rows of the draft vocabulary. ``hidden_loss`` > 0 adds, at each depth k,
+the mean squared error between the drafter's features (what its vocab
+projection reads) and h[t+k+1], the base model's own state for the target
+(as EAGLE trains its drafter), so the drafter learns features, not only ids.
+
 Hidden states come from the data folder: ``distill`` saves them beside each
 shard, and shards without them are run through the base model once, a batch
 of sequences at a time. Training reads them from a float16 memory-mapped
@@ -60,6 +69,8 @@ class TrainConfig:
     weight_decay: float = 0.0
     hidden_dropout: float = 0.0  # dropout on h while training: the drafter memorises h otherwise
     soft_targets: float = 0.0  # weight of the base model's distribution as target (0: generated tokens only)
+    warm_start: bool = False  # start from the base model's head (exit_dim = hidden_size)
+    hidden_loss: float = 0.0  # weight of the features' squared error to h[t+k+1] (exit_dim = hidden_size)
     grad_clip: float = 1.0
     eval_every: int = 250
     save_every: int = 250
@@ -207,6 +218,8 @@ def drafter_loss(
     targets: mx.array,
     teacher_logits: Optional[mx.array] = None,
     soft_weight: float = 0.0,
+    teacher_hidden: Optional[mx.array] = None,
+    hidden_weight: float = 0.0,
 ) -> tuple[mx.array, mx.array, mx.array]:
     """The ReDrafter training loss.
 
@@ -220,16 +233,22 @@ def drafter_loss(
             x[t+2] .. x[t+T+1], needed when ``soft_weight`` > 0.
         soft_weight: the cross-entropy at each depth is
             ``(1 - soft_weight) * CE(target) + soft_weight * CE(softmax(teacher))``.
+        teacher_hidden: (N, T, hidden_size) h[t+1] .. h[t+T], the states the
+            targets were chosen from, needed when ``hidden_weight`` > 0.
+        hidden_weight: adds ``hidden_weight`` times the mean over dimensions
+            of the squared error between the drafter's features and them,
+            where the target exists (exit_dim must equal hidden_size).
 
     Returns:
-        loss: sum over depths of the mean cross-entropy at that depth.
+        loss: sum over depths of the mean per-position loss at that depth.
         correct, counted: (T,) top-1 hits (against ``targets``) and scored
             positions per depth.
     """
     state, loss, correct, counted = None, mx.array(0.0), [], []
     for k in range(tokens.shape[1]):
         state = drafter.update_state(embed(mx.maximum(tokens[:, k], 0)), state)
-        logits = drafter.draft_logits(hidden, state).astype(mx.float32)
+        features = drafter.features(hidden, state)
+        logits = drafter.lm_head[-1](features).astype(mx.float32)
         valid = targets[:, k] >= 0
         target = mx.maximum(targets[:, k], 0)
         log_z = mx.logsumexp(logits, axis=-1)
@@ -238,11 +257,28 @@ def drafter_loss(
             teacher = mx.softmax(teacher_logits[:, k].astype(mx.float32), axis=-1)
             soft_ce = log_z - (teacher * logits).sum(axis=-1)
             ce = (1 - soft_weight) * ce + soft_weight * soft_ce
+        if hidden_weight > 0:
+            error = (features.astype(mx.float32) - teacher_hidden[:, k]).square().mean(axis=-1)
+            ce = ce + hidden_weight * error
         n = valid.sum()
         loss = loss + (ce * valid).sum() / mx.maximum(n, 1)
         correct.append(((mx.argmax(logits, axis=-1) == target) & valid).sum())
         counted.append(n)
     return loss, mx.stack(correct), mx.stack(counted)
+
+
+def warm_start(drafter: Drafter, base, draft_token_ids: Optional[np.ndarray]) -> None:
+    """Make ``drafter`` (exit_dim = hidden_size) predict what the base
+    model's head predicts from h: input projection [I 0], residual blocks
+    the identity, vocab projection the head's rows of the draft vocabulary."""
+    size = base.hidden_size
+    drafter.input_proj.weight = mx.concatenate([mx.eye(size), mx.zeros((size, size))], axis=1)
+    drafter.input_proj.bias = mx.zeros((size,))
+    for block in drafter.lm_head[:-1]:
+        block.linear.weight = mx.zeros_like(block.linear.weight)
+        block.linear.bias = mx.zeros_like(block.linear.bias)
+    ids = draft_token_ids if draft_token_ids is not None else np.arange(base.vocab_size)
+    drafter.lm_head[-1].weight = base.head_rows(mx.array(ids))
 
 
 def draft_index_map(vocab_size: int, draft_token_ids: Optional[np.ndarray]) -> np.ndarray:
@@ -279,8 +315,12 @@ class Trainer:
             rnn=config.rnn,
             draft_vocab_size=len(draft_token_ids) if draft_token_ids is not None else None,
         )
+        if (config.warm_start or config.hidden_loss > 0) and config.exit_dim != base.hidden_size:
+            raise UserError(f"--warm-start and --hidden-loss need --exit-dim equal to the base model's hidden size {base.hidden_size}")
         mx.random.seed(config.seed)
         self.drafter = Drafter(args)
+        if config.warm_start:
+            warm_start(self.drafter, base, draft_token_ids)
         self.to_draft = draft_index_map(base.vocab_size, draft_token_ids)
         if draft_token_ids is not None:
             self.drafter.draft_token_ids = mx.array(draft_token_ids)
@@ -322,20 +362,22 @@ class Trainer:
 
     def _loss(self, hidden, tokens, targets, teacher_hidden=None):
         teacher_logits = None
-        if teacher_hidden is not None:
+        if self.teacher_head is not None:
             teacher_logits = mx.stop_gradient(teacher_hidden @ self.teacher_head.T)
-        return drafter_loss(self.drafter, self.embed, hidden, tokens, targets, teacher_logits, self.config.soft_targets)
+        config = self.config
+        return drafter_loss(self.drafter, self.embed, hidden, tokens, targets, teacher_logits, config.soft_targets, teacher_hidden, config.hidden_loss)
 
     def batch(self, rows: np.ndarray) -> tuple:
         """Arrays for ``_loss``: h[t] (n, hidden), RNN inputs (n, T),
-        targets (n, T) and, with soft targets, h[t+1] .. h[t+T] (n, T, hidden),
-        the states the base model chose each target from."""
+        targets (n, T) and, with soft targets or the hidden loss, h[t+1] ..
+        h[t+T] (n, T, hidden), the states the base model chose each target
+        from."""
         hidden_rows = self.positions.hidden_row[rows]
         hidden = mx.array(self.hidden_cache[hidden_rows].astype(np.float32))
         window = self.positions.tokens[rows]
         targets = draft_targets(self.to_draft, window[:, 1:])
         arrays = (hidden, mx.array(window[:, :-1]), mx.array(targets))
-        if self.teacher_head is None:
+        if self.teacher_head is None and self.config.hidden_loss == 0:
             return arrays
         # h[t+k+1] is the next row of the same sequence wherever x[t+k+2]
         # exists; elsewhere the target is masked, so any row will do.

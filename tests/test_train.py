@@ -8,6 +8,7 @@ from conftest import HIDDEN, VOCAB, tiny_drafter, tiny_model
 from redrafter_mlx.base_model import BaseModel
 from redrafter_mlx.distill import DataFolder
 from redrafter_mlx.drafter import load_drafter
+from redrafter_mlx.errors import UserError
 from redrafter_mlx.train import (
     StackedRows,
     TrainConfig,
@@ -196,3 +197,43 @@ def test_hidden_states_saved_by_distill_equal_recomputed_ones(tmp_path):
     recomputed = np.array(compute_hidden_cache(base, folder, sequences, progress=False))
     assert saved.shape == recomputed.shape == (int((sequences.lengths - sequences.prompt_lengths).sum()), HIDDEN)
     np.testing.assert_allclose(saved, recomputed, atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("draft_vocab", [0, 48])
+def test_a_warm_started_drafter_first_predicts_the_base_models_ranking_of_h(setup, draft_vocab):
+    """Built for it: whatever the RNN state, the warm-started drafter's
+    logits are the base model's logits of h over the draft vocabulary."""
+    base, sequences, _ = setup
+    trainer = make_trainer(setup, "unused", exit_dim=HIDDEN, warm_start=True, draft_vocab=draft_vocab, num_draft_layers=2)
+    h = base.backbone(mx.array([sequences.sequence(0).tolist()]))[0]  # (L, hidden)
+    state = trainer.drafter.update_state(base.embed(mx.array(sequences.sequence(1)[: h.shape[0]].tolist())), None)
+    ids = np.array(trainer.drafter.draft_token_ids) if draft_vocab else np.arange(VOCAB)
+    expected = np.array(base.head(h))[:, ids]
+    drafted = np.array(trainer.drafter.draft_logits(h, state))
+    np.testing.assert_allclose(drafted, expected, atol=1e-4, rtol=1e-4)
+    assert (np.argsort(-drafted, axis=-1)[:, :5] == np.argsort(-expected, axis=-1)[:, :5]).all()
+    with pytest.raises(UserError, match="hidden size"):
+        make_trainer(setup, "unused", exit_dim=HIDDEN + 8, warm_start=True)
+
+
+def test_the_hidden_loss_is_the_squared_error_of_the_features_to_the_next_states(setup, tmp_path):
+    base, _, _ = setup
+    trainer = make_trainer(setup, tmp_path / "out", exit_dim=HIDDEN, hidden_loss=0.5)
+    rows = trainer.train_rows[:40]
+    h, tokens, targets, teacher = trainer.batch(rows)
+    loss, _, _ = trainer._loss(h, tokens, targets, teacher)
+    plain, _, _ = drafter_loss(trainer.drafter, base.embed, h, tokens, targets)
+    state, extra = None, 0.0
+    drafter = trainer.drafter
+    for k in range(tokens.shape[1]):
+        state = drafter.update_state(base.embed(mx.maximum(tokens[:, k], 0)), state)
+        x = np.array(drafter.input_proj(mx.concatenate([h, state], axis=-1)))
+        for block in drafter.lm_head[:-1]:
+            x = x + np.array(mx.sigmoid(block.linear(mx.array(x))) * block.linear(mx.array(x)))
+        valid = np.array(targets[:, k]) >= 0
+        error = ((x - np.array(teacher[:, k])) ** 2).mean(axis=-1)
+        extra += 0.5 * error[valid].mean()
+    assert float(loss) == pytest.approx(float(plain) + extra, rel=1e-4)
+    first = float(loss)
+    train(trainer, progress=False)
+    assert float(trainer._loss(h, tokens, targets, teacher)[0]) < first  # it trains
