@@ -213,6 +213,82 @@ def response_stream(base, max_tokens: int, sampling, eos_token_ids) -> Callable[
     return generate
 
 
+def _worker(load_args: tuple, max_tokens: int, sampling, eos_token_ids, prompts: list, indices: list, samples: list, batch_size: int, results) -> None:
+    """One distillation worker process: load the model, generate, and put
+    ``(index, response, hidden)`` per finished prompt, then None, on ``results``."""
+    try:
+        from .base_model import BaseModel
+        from .loading import load_base_model
+
+        model, _ = load_base_model(*load_args)
+        generate = response_stream(BaseModel(model), max_tokens, sampling, eos_token_ids)
+        for local, response, hidden in generate(prompts, batch_size, samples):
+            results.put((indices[local], response, hidden))
+        results.put(None)
+    except KeyboardInterrupt:
+        pass
+    except Exception as e:  # reported by the parent as one error line
+        results.put(("error", str(e) if isinstance(e, UserError) else f"{type(e).__name__}: {e}"))
+
+
+def parallel_stream(load_args: tuple, max_tokens: int, sampling, eos_token_ids, workers: int) -> Callable[[list, int, list], Iterator[tuple]]:
+    """``response_stream`` spread over ``workers`` processes, each loading
+    the model with ``load_base_model(*load_args)`` and running its own batch
+    of ``batch_size`` rows with one BLAS thread. On a CPU one process's
+    decode step leaves a core idle (attention over the context runs on one
+    thread), so two workers nearly double the rate there; on a GPU use one.
+    Every response has the same seed as in one process, so the data does not
+    depend on ``workers``."""
+    import multiprocessing
+    import queue
+
+    def generate(prompts: list, batch_size: int, samples: list) -> Iterator[tuple]:
+        context = multiprocessing.get_context("spawn")
+        results = context.Queue()
+        parts = [list(range(w, len(prompts), workers)) for w in range(workers)]
+        parts = [part for part in parts if part]
+        saved = os.environ.get("OPENBLAS_NUM_THREADS")
+        os.environ["OPENBLAS_NUM_THREADS"] = "1"  # read by each child when it loads OpenBLAS
+        try:
+            processes = [
+                context.Process(
+                    target=_worker, daemon=True,
+                    args=(load_args, max_tokens, sampling, eos_token_ids, [prompts[i] for i in part], part, [samples[i] for i in part], batch_size, results),
+                )
+                for part in parts
+            ]
+            for process in processes:
+                process.start()
+        finally:
+            if saved is None:
+                os.environ.pop("OPENBLAS_NUM_THREADS")
+            else:
+                os.environ["OPENBLAS_NUM_THREADS"] = saved
+        try:
+            running = len(processes)
+            while running:
+                try:
+                    item = results.get(timeout=1.0)
+                except queue.Empty:
+                    dead = [p.exitcode for p in processes if p.exitcode not in (None, 0)]
+                    if dead:
+                        raise UserError(f"a distillation worker stopped (exit code {dead[0]}); run the same command again to resume") from None
+                    continue
+                if item is None:
+                    running -= 1
+                elif item[0] == "error":
+                    raise UserError(f"distillation worker: {item[1]}")
+                else:
+                    yield item
+        finally:
+            for process in processes:
+                if process.is_alive():
+                    process.terminate()
+                process.join()
+
+    return generate
+
+
 def distill(
     base,
     tokenize: Callable[[str], list],

@@ -6,9 +6,11 @@ import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 from conftest import run_cli
 
+from redrafter_mlx.distill import DataFolder
 from redrafter_mlx.drafter import DrafterArgs, Drafter, save_drafter
 
 QUESTION = "What is the capital of France? Answer in one sentence."
@@ -129,10 +131,17 @@ def test_distill_then_train_on_two_folders_gives_a_drafter_generate_loads(tmp_pa
     trained on both."""
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("Name a colour.", "What is 2+3?", "Say hi.")))
-    for folder, temp, samples in (("greedy", "0", 1), ("sampled", "0.7", 2)):
-        result = run_cli("distill", "--prompts", prompts, "--output", tmp_path / folder, "--max-tokens", 12, "--temp", temp, "--samples", samples)
+    for folder, temp, samples, workers in (("greedy", "0", 1, 1), ("sampled", "0.7", 2, 2), ("sampled-1", "0.7", 2, 1)):
+        result = run_cli("distill", "--prompts", prompts, "--output", tmp_path / folder, "--max-tokens", 12, "--temp", temp, "--samples", samples, "--workers", workers)
         assert result.returncode == 0, result.stderr
     assert "6 responses" in result.stdout
+
+    def responses(folder):
+        data = DataFolder(tmp_path / folder).load()
+        samples = np.concatenate([np.load(shard)["sample"] for shard in DataFolder(tmp_path / folder).shards()])
+        return {(int(data.prompt_index[i]), int(samples[i])): data.sequence(i).tolist() for i in range(len(data))}
+
+    assert responses("sampled") == responses("sampled-1")  # two worker processes make the same data
     train = ("train", "--data", tmp_path / "greedy", "--data", tmp_path / "sampled", "--output", tmp_path / "drafter",
              "--steps", 3, "--batch-size", 8, "--exit-dim", 32, "--draft-vocab", 64, "--eval-every", 3)
     result = run_cli(*train)
