@@ -236,7 +236,7 @@ def parallel_stream(load_args: tuple, max_tokens: int, sampling, eos_token_ids, 
     the model with ``load_base_model(*load_args)`` and running its own batch
     of ``batch_size`` rows with one BLAS thread. On a CPU one process's
     decode step leaves a core idle (attention over the context runs on one
-    thread), so two workers nearly double the rate there; on a GPU use one.
+    thread), so two workers gave 1.5x the rate on 2 cores; on a GPU use one.
     Every response has the same seed as in one process, so the data does not
     depend on ``workers``."""
     import multiprocessing

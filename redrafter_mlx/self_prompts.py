@@ -49,8 +49,12 @@ def read_self_prompts(path: Path) -> list[dict]:
     if not path.exists():
         return []
     try:
-        return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        records = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        for record in records:
+            if not (isinstance(record, dict) and isinstance(record.get("prompt"), str) and isinstance(record.get("attempt"), int)):
+                raise ValueError('every line needs a "prompt" string and an "attempt" number')
+        return records
+    except (OSError, UnicodeDecodeError, ValueError) as e:
         raise UserError(f"cannot read {path} ({e}); delete it to write the prompts again") from None
 
 

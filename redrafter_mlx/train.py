@@ -438,8 +438,9 @@ class Trainer:
         if not (folder / STATE_FILE).exists():
             return False
         state = json.loads((folder / STATE_FILE).read_text())
-        if state["config"] != asdict(self.config):
-            changed = [k for k in state["config"] if state["config"][k] != asdict(self.config).get(k)]
+        saved = dict(asdict(TrainConfig()), **state["config"])  # options added since take their defaults
+        if saved != asdict(self.config):
+            changed = [k for k in saved if saved[k] != asdict(self.config).get(k)]
             raise UserError(f"{folder} was trained with other settings ({', '.join(changed)}); use a new output folder")
         loaded = load_drafter(str(folder))
         self.drafter.update(loaded.parameters())

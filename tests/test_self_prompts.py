@@ -105,6 +105,7 @@ def test_too_few_distinct_prompts_is_one_clear_error_keeping_what_was_written(ba
     assert len(read_self_prompts(path)) < 12
     with pytest.raises(UserError, match="at least 1"):
         write(base, path, 0)
-    path.write_text("not json\n")
-    with pytest.raises(UserError, match="cannot read"):
-        write(base, path, 3)
+    for damaged in ("not json\n", '{"prompt": "no attempt"}\n'):
+        path.write_text(damaged)
+        with pytest.raises(UserError, match="cannot read"):
+            write(base, path, 3)
