@@ -31,6 +31,7 @@ from typing import Callable, Iterator, Optional
 import numpy as np
 
 from .errors import UserError
+from .self_prompts import PROMPTS_FILE
 
 META_FILE = "meta.json"
 FORMAT_VERSION = 1
@@ -155,8 +156,6 @@ def check_resumable(folder: DataFolder, settings: dict) -> None:
     """Refuse to add to a folder made with other settings (another model,
     other sampling), or to a folder that is not a data folder; before
     anything is written to it."""
-    from .self_prompts import PROMPTS_FILE
-
     existing = folder.meta
     if existing is None:
         if folder.path.exists() and any(p.name != PROMPTS_FILE for p in folder.path.iterdir()):
