@@ -458,6 +458,64 @@ def convert(
     typer.echo(f"wrote {summary['tensors']} tensors ({summary['bytes'] / 1e6:.1f} MB) to {summary['path']}")
 
 
+def _listen(host: str, port: int):
+    """A socket bound to host:port, or one clear error (a port in use)."""
+    import socket
+
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError as e:
+        fail(f"cannot listen on {host}:{port} ({e.strerror or e})")
+    return sock
+
+
+@app.command()
+def serve(
+    model: Optional[str] = MODEL,
+    drafter: Optional[str] = DRAFTER,
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on; loopback by default (0.0.0.0 serves other machines too)."),
+    port: int = typer.Option(8080, "--port", help="Port to listen on."),
+    max_batch: int = typer.Option(8, "--max-batch", help="Requests decoded together; more wait their turn."),
+    max_tokens: int = typer.Option(512, "--max-tokens", "-n", help="New tokens for a request that names no max_tokens."),
+    prompt_cache_mb: float = typer.Option(1024, "--prompt-cache-mb", help="Memory for finished requests' keys and values, reused by a request whose prompt begins with one of theirs (the next turn); 0 turns it off."),
+    max_body_bytes: int = typer.Option(4 << 20, "--max-body-bytes", help="Largest request body accepted (413 above)."),
+    beam_width: str = BEAM_WIDTH,
+    beam_length: str = BEAM_LENGTH,
+    max_nodes: str = MAX_NODES,
+    no_lookup: bool = NO_LOOKUP,
+    lookup_max_ngram: int = LOOKUP_MAX_NGRAM,
+    lookup_beams: int = LOOKUP_BEAMS,
+    dtype: Optional[str] = DTYPE,
+):
+    """Serve the model over an OpenAI-compatible HTTP API, batching concurrent requests."""
+    if max_batch < 1:
+        fail(f"max batch must be at least 1, got {max_batch}")
+    if prompt_cache_mb < 0 or max_body_bytes < 1 or max_tokens < 0:
+        fail("--prompt-cache-mb, --max-body-bytes and --max-tokens take positive numbers")
+    draft = _draft(drafter, beam_width, beam_length, max_nodes, no_lookup, lookup_max_ngram, lookup_beams)
+    sock = _listen(host, port)
+    import uvicorn
+
+    from redrafter_mlx.loading import load
+    from redrafter_mlx.scheduler import Scheduler
+    from redrafter_mlx.server import Server
+
+    redrafter, tokenizer = load(model, drafter, dtype=_dtype(dtype))
+    scheduler = Scheduler(redrafter, tokenizer.eos_token_ids, draft, max_batch, int(prompt_cache_mb * 2**20))
+    typer.echo("measuring this machine's verification cost (cached after the first time)...", err=True)
+    scheduler.start()
+    name = os.path.basename(model.rstrip("/")) if model else "SmolLM2-135M-Instruct"
+    server = Server(scheduler, tokenizer, name, max_tokens, redrafter.base.max_context, max_body_bytes)
+    where = f"[{host}]" if ":" in host else host
+    typer.echo(f"serving {name} at http://{where}:{port}/v1 (chat/completions, completions, models; /health); Ctrl-C stops", err=True)
+    config = uvicorn.Config(server.app(), log_level="warning", timeout_graceful_shutdown=3)
+    uvicorn.Server(config).run(sockets=[sock])
+    scheduler.stop()
+
+
 def main() -> None:
     """Entry point: runs the app, turning bad input into one error line."""
     try:

@@ -10,6 +10,7 @@ import mlx.core as mx
 
 from .drafting import DraftSettings
 from .generate import Chooser, ReDrafter, StepTiming, generate_steps, greedy
+from .prompt_cache import PromptCache
 
 
 @dataclass
@@ -20,7 +21,9 @@ class GenerationResponse:
     tokens: the token ids this step produced (accepted drafts + bonus).
     num_accepted: drafted tokens accepted this step (None for the first
         token, which the prefill produces).
-    prompt_tokens, prompt_tps: prompt length and prefill speed.
+    prompt_tokens, prompt_tps: prompt length and prefill speed (of the
+        tokens prefilled: those the prompt cache did not hold).
+    cached_tokens: prompt tokens taken from the prompt cache.
     generation_tokens, generation_tps: tokens so far and their rate.
     steps: base-model verification passes so far.
     step_tokens: tokens those passes produced (accepted + bonus, before
@@ -43,6 +46,7 @@ class GenerationResponse:
     step_nodes: int
     peak_memory: float
     finish_reason: Optional[str] = None
+    cached_tokens: int = 0
 
 
 def encode_prompt(tokenizer, prompt: Union[str, Sequence[int]], chat_template: bool = True) -> list:
@@ -68,12 +72,18 @@ def stream_generate(
     choose: Chooser = greedy,
     chat_template: bool = True,
     timing: Optional[StepTiming] = None,
+    prompt_cache: Optional[PromptCache] = None,
     **draft,
 ) -> Iterator[GenerationResponse]:
     """Generate from one prompt, yielding a response per step. ``draft``:
     the fields of ``DraftSettings`` (beam_width, beam_length, max_nodes,
-    lookup, lookup_max_ngram, lookup_beams)."""
+    lookup, lookup_max_ngram, lookup_beams).
+
+    ``prompt_cache`` (``make_prompt_cache()``): the prompt starts from the
+    longest prefix the cache shares with it, and the cache is kept holding
+    the prompt and the tokens so far, for the next turn of a conversation."""
     prompt_ids = encode_prompt(tokenizer, prompt, chat_template)
+    cached = prompt_cache.reusable(prompt_ids) if prompt_cache is not None else 0
     detokenizer = tokenizer.detokenizer
     detokenizer.reset()
     tic = time.perf_counter()
@@ -86,9 +96,10 @@ def stream_generate(
         choose=choose,
         eos_token_ids=tokenizer.eos_token_ids,
         timing=timing,
+        prompt_caches=None if prompt_cache is None else [prompt_cache],
     ):
         if out.num_accepted is None:
-            prompt_tps = len(prompt_ids) / (time.perf_counter() - tic)
+            prompt_tps = (len(prompt_ids) - cached) / (time.perf_counter() - tic)
             tic = time.perf_counter()
         else:
             steps += 1
@@ -113,6 +124,7 @@ def stream_generate(
             step_nodes=step_nodes,
             peak_memory=mx.get_peak_memory() / 1e9,
             finish_reason=out.finish_reason,
+            cached_tokens=cached,
         )
 
 

@@ -8,6 +8,7 @@ import mlx.core as mx
 import numpy as np
 
 from .base_model import BaseModel
+from .cache import extend_batch
 from .generate import PREFILL_STEP_SIZE, Chooser, StepOutput, RowTracker, check_prompts, greedy, prefill
 
 
@@ -68,10 +69,7 @@ def autoregressive_steps(
             joining, waiting = waiting[:free], waiting[free:]
             new_layout, new_cache, new_hidden, new_logits = prefill(base, [prompts[i] for i in joining], prefill_step_size)
             if tracker.rows:
-                length, new_length = layout.start, new_layout.start
-                pad, new_pad = layout.extend(new_layout)
-                for c, n in zip(cache, new_cache):
-                    c.extend(n, length, new_length, pad, new_pad)
+                extend_batch(layout, cache, new_layout, new_cache)
                 hidden, logits = mx.concatenate([hidden, new_hidden]), mx.concatenate([logits, new_logits])
             else:
                 layout, cache, hidden, logits = new_layout, new_cache, new_hidden, new_logits

@@ -116,15 +116,14 @@ class CacheLayout:
         return trim
 
     def extend(self, other: "CacheLayout") -> tuple[int, int]:
-        """Append the rows of another aligned layout (new prompts joining a
-        batch between chunks). Both sides are left-padded to the longer one;
-        returns the padding added to (self, other)."""
+        """Append the rows of another layout (prompts joining a batch between
+        steps). Both sides' buffers are left-padded to the wider one,
+        ``start`` positions; returns the padding added to (self, other)."""
         mine, theirs = self.start, other.start
-        assert (self.lengths == mine).all() and (other.lengths == theirs).all(), "chunks need aligned rows"
-        longest = max(mine, theirs)
-        self.left_padding = np.concatenate([self.left_padding + longest - mine, other.left_padding + longest - theirs])
-        self.lengths = np.full(len(self.left_padding), longest, dtype=np.int64)
-        return longest - mine, longest - theirs
+        widest = max(mine, theirs)
+        self.left_padding = np.concatenate([self.left_padding + widest - mine, other.left_padding + widest - theirs])
+        self.lengths = np.concatenate([self.lengths + widest - mine, other.lengths + widest - theirs])
+        return widest - mine, widest - theirs
 
 
 class TreeKVCache:
@@ -193,8 +192,20 @@ class TreeKVCache:
         self.keys = mx.concatenate([shifted(self.keys, length, pad), shifted(other.keys, other_length, other_pad)])
         self.values = mx.concatenate([shifted(self.values, length, pad), shifted(other.values, other_length, other_pad)])
 
+    def rows_kv(self, row: int, begin: int, end: int) -> tuple[mx.array, mx.array]:
+        """Keys and values of one row's positions begin .. end, (1, H, end - begin, D)."""
+        return self.keys[row : row + 1, :, begin:end], self.values[row : row + 1, :, begin:end]
+
     def state_arrays(self) -> list:
         return [self.keys, self.values]
+
+
+def extend_batch(layout: CacheLayout, caches: list, other_layout: CacheLayout, other_caches: list) -> None:
+    """Append the rows of another batch's layout and caches to these."""
+    length, other_length = layout.start, other_layout.start
+    pad, other_pad = layout.extend(other_layout)
+    for cache, other in zip(caches, other_caches):
+        cache.extend(other, length, other_length, pad, other_pad)
 
 
 class TreeRoPE(nn.Module):

@@ -5,6 +5,7 @@ import time
 from dataclasses import dataclass
 
 from .api import stream_generate
+from .prompt_cache import make_prompt_cache
 
 HELP = "Commands: /reset clears the conversation, /stats shows speed figures, /quit leaves (or Ctrl-D). Ctrl-C stops an answer."
 
@@ -15,6 +16,8 @@ class Stats:
     seconds: float = 0.0
     steps: int = 0
     step_tokens: int = 0
+    first_token_seconds: float = 0.0  # from the message to its answer's first token
+    cached_tokens: int = 0  # prompt tokens the conversation's cache held
 
     def add(self, other: "Stats") -> None:
         self.tokens += other.tokens
@@ -27,16 +30,23 @@ class Stats:
         per_step = self.step_tokens / self.steps if self.steps else 0.0
         return f"{self.tokens} tokens, {rate:.1f} tokens/s, {per_step:.2f} tokens per step ({self.steps} steps)"
 
+    def describe_prompt(self) -> str:
+        return f"first token after {self.first_token_seconds:.2f} s, {self.cached_tokens} prompt tokens from the cache"
 
-def answer(redrafter, tokenizer, messages: list, max_tokens: int, write, **generation) -> tuple[str, Stats, bool]:
+
+def answer(redrafter, tokenizer, messages: list, max_tokens: int, write, prompt_cache=None, **generation) -> tuple[str, Stats, bool]:
     """Stream one answer; returns (text, stats, interrupted). Ctrl-C at any
-    point, prompt processing included, ends the answer where it stands."""
+    point, prompt processing included, ends the answer where it stands.
+    With ``prompt_cache``, only what the cache does not hold is prefilled,
+    and the cache then holds the conversation with this answer."""
     text, stats, interrupted = "", Stats(), False
     tic = time.perf_counter()
     try:
         prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
-        for response in stream_generate(redrafter, tokenizer, prompt_ids, max_tokens, **generation):
+        for response in stream_generate(redrafter, tokenizer, prompt_ids, max_tokens, prompt_cache=prompt_cache, **generation):
+            if response.num_accepted is None:
+                stats.first_token_seconds, stats.cached_tokens = time.perf_counter() - tic, response.cached_tokens
             write(response.text)
             text += response.text
             stats.tokens, stats.steps, stats.step_tokens = response.generation_tokens, response.steps, response.step_tokens
@@ -57,7 +67,11 @@ def chat_loop(redrafter, tokenizer, max_tokens: int, system_prompt=None, read=in
     def start() -> list:
         return [{"role": "system", "content": system_prompt}] if system_prompt else []
 
-    messages, last, session = start(), Stats(), Stats()
+    # The conversation's keys and values, kept between turns; the engine
+    # reuses whatever prefix of the next prompt it holds, so a stopped answer
+    # or a template that writes an answer back differently costs only the
+    # tokens that differ.
+    messages, last, session, cache = start(), Stats(), Stats(), make_prompt_cache()
     write(f"[ReDrafter chat. {HELP}]")
     while True:
         try:
@@ -73,16 +87,17 @@ def chat_loop(redrafter, tokenizer, max_tokens: int, system_prompt=None, read=in
             return
         if command == "/reset":
             messages = start()
+            cache.clear()
             write("[conversation cleared]")
             continue
         if command == "/stats":
-            write(f"[last answer: {last.describe()}]")
+            write(f"[last answer: {last.describe()}; {last.describe_prompt()}]")
             write(f"[session: {session.describe()}]")
             continue
         if not command:
             continue
         messages.append({"role": "user", "content": query})
-        text, last, interrupted = answer(redrafter, tokenizer, messages, max_tokens, out, **generation)
+        text, last, interrupted = answer(redrafter, tokenizer, messages, max_tokens, out, cache, **generation)
         session.add(last)
         # What was shown is what the model said, so a stopped answer stays
         # in the conversation as it stands.

@@ -59,25 +59,26 @@ class DraftSettings:
 
 
 class Speculator:
-    """Per-run drafting state for a batch.
+    """Per-run drafting state for a batch: ``track`` each prompt (its
+    context list, the row tracker's, which grows as tokens are committed)
+    before it drafts, ``drop`` it when it leaves."""
 
-    contexts: per input prompt, its context list (the row tracker's, which
-        grows as tokens are committed). cost: the cost curve (``CostCurve``)
-        when ``max_nodes`` is None.
-    """
-
-    def __init__(self, settings: DraftSettings, has_drafter: bool, contexts: list, cost=None):
+    def __init__(self, settings: DraftSettings, has_drafter: bool):
         self.settings = settings
         self.has_drafter = has_drafter
-        self.cost = cost
         self.stats = AcceptanceStats()
         self.indexes = {}
-        if settings.lookup:
-            self.indexes = {r: LookupIndex(c, settings.lookup_max_ngram, settings.lookup_beams) for r, c in enumerate(contexts)}
         self.rnn_on = has_drafter
         self.rates = {"rnn": None, "lookup": None}  # running tokens/s with and without the RNN
         self.steps_off = 0
         self.steps = 0
+
+    def track(self, row: int, context: list) -> None:
+        if self.settings.lookup:
+            self.indexes[row] = LookupIndex(context, self.settings.lookup_max_ngram, self.settings.lookup_beams)
+
+    def drop(self, row: int) -> None:
+        self.indexes.pop(row, None)
 
     def use_rnn(self) -> bool:
         """Whether the next step drafts with the RNN."""
@@ -88,11 +89,12 @@ class Speculator:
         self.steps_off += 1
         return self.steps_off % RNN_RETRY_STEPS == 0
 
-    def trees(self, rows: list, roots: list, beams: Optional[np.ndarray], conditionals: Optional[np.ndarray]) -> list[RowTree]:
-        """The tree each row verifies. rows: input index per batch row;
+    def trees(self, rows: list, roots: list, beams: Optional[np.ndarray], conditionals: Optional[np.ndarray], cost=None) -> list[RowTree]:
+        """The tree each row verifies. rows: the prompt of each batch row;
         roots: each row's last chosen token; beams (B, W, L) and
         conditionals (B, W, L - 1): the RNN's beams and the drafter's
-        probability of each drafted token, or None when it did not run."""
+        probability of each drafted token, or None when it did not run.
+        cost: the cost curve (``CostCurve``) when ``max_nodes`` is None."""
         estimate = self.stats.estimate
         length = self.settings.beam_length - 1
         lookups = [lookup_drafts(self.indexes[r].propose(length), estimate) if self.indexes else [] for r in rows]
@@ -101,8 +103,8 @@ class Speculator:
         if self.settings.max_nodes is not None:
             return [prune(t, self.settings.max_nodes) for t in candidates]
         gains = [most_likely_nodes(t) for t in candidates]
-        draft_seconds = self.cost.draft_seconds if beams is not None else 0.0
-        count, rate = best_node_count(gains, self.cost, max(map(len, gains)), draft_seconds)
+        draft_seconds = cost.draft_seconds if beams is not None else 0.0
+        count, rate = best_node_count(gains, cost, max(map(len, gains)), draft_seconds)
         self.steps += 1
         if self.steps % EXPLORE_STEPS == 0:
             # Nodes left out are never observed, so their estimates would
@@ -111,7 +113,7 @@ class Speculator:
         if beams is not None and self.indexes:
             lookup_only = [most_likely_nodes(candidate_tree(root, d)) for root, d in zip(roots, lookups)]
             self._remember("rnn", rate)
-            self._remember("lookup", best_node_count(lookup_only, self.cost, max(map(len, lookup_only)))[1])
+            self._remember("lookup", best_node_count(lookup_only, cost, max(map(len, lookup_only)))[1])
             self.rnn_on = self.rates["rnn"] >= self.rates["lookup"]
         return [prune(t, count) for t in candidates]
 

@@ -170,3 +170,20 @@ def make_chooser(settings: SamplingSettings) -> Chooser:
         return mx.argmax(logprobs.reshape(batch, nodes, vocab) / settings.temp + noise, axis=-1)
 
     return choose
+
+
+def chooser_per_prompt(choosers: dict) -> Chooser:
+    """A chooser for a batch whose prompts have settings of their own:
+    ``choosers`` maps each prompt's id (``TokenHistory.rows``) to its
+    chooser, which sees the prompt as prompt 0 of a list of its own (so a
+    seeded prompt samples as it would alone). The dict may change between
+    calls, as prompts join and leave."""
+
+    def choose(logits: mx.array, history: TokenHistory) -> mx.array:
+        chosen = []
+        for i, row in enumerate(history.rows):
+            nodes = [None if a is None else a[i : i + 1] for a in (history.node_tokens, history.node_mask, history.node_depths)]
+            chosen.append(choosers[row](logits[i : i + 1], TokenHistory([0], [history.context[i]], *nodes)))
+        return mx.concatenate(chosen)
+
+    return choose

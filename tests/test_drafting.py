@@ -15,9 +15,16 @@ def beams_for(root, drafted, probs):
     return beams, np.full(beams[:, :, 1:].shape, probs, np.float32)
 
 
+def tracking(settings, has_drafter, contexts):
+    speculator = Speculator(settings, has_drafter)
+    for row, context in enumerate(contexts):
+        speculator.track(row, context)
+    return speculator
+
+
 def test_rnn_and_lookup_drafts_share_one_tree():
     context = [5, 6, 7, 8, 5, 6]
-    speculator = Speculator(DraftSettings(beam_width=2, beam_length=4, max_nodes=10), True, [context])
+    speculator = tracking(DraftSettings(beam_width=2, beam_length=4, max_nodes=10), True, [context])
     beams, probs = beams_for(6, [[7, 8, 9], [1, 2, 3]], 0.5)
     (tree,) = speculator.trees([0], [6], beams, probs)
     # lookup proposes 7 8 5 (after the earlier 5 6), sharing "7 8" with the first beam.
@@ -26,7 +33,7 @@ def test_rnn_and_lookup_drafts_share_one_tree():
 
 
 def test_fixed_budget_keeps_the_most_likely_nodes():
-    speculator = Speculator(DraftSettings(beam_width=2, beam_length=4, max_nodes=2, lookup=False), True, [[1, 2]])
+    speculator = tracking(DraftSettings(beam_width=2, beam_length=4, max_nodes=2, lookup=False), True, [[1, 2]])
     beams, probs = beams_for(2, [[7, 8, 9], [1, 2, 3]], 0.9)
     (tree,) = speculator.trees([0], [2], beams, probs)
     assert tree.tokens == [2, 7, 1]  # the two depth-1 nodes beat the deeper ones
@@ -35,23 +42,23 @@ def test_fixed_budget_keeps_the_most_likely_nodes():
 def test_the_rnn_is_turned_off_when_its_search_costs_more_than_it_brings_and_retried():
     flat = CostCurve([1, 32], [1.0, 1.0], draft_seconds=5.0)
     context = [3, 4, 3, 4, 3]
-    speculator = Speculator(DraftSettings(beam_width=1, beam_length=3), True, [context], flat)
+    speculator = tracking(DraftSettings(beam_width=1, beam_length=3), True, [context])
     beams, probs = beams_for(3, [[9, 9]], 0.9)
     for _ in range(20):
-        speculator.trees([0], [3], beams, probs)
+        speculator.trees([0], [3], beams, probs, cost=flat)
     assert not speculator.rnn_on
     runs = [speculator.use_rnn() for _ in range(32)]
     assert 1 <= sum(runs) <= 3  # retried now and then
 
     cheap = CostCurve([1, 32], [1.0, 1.0], draft_seconds=0.0)
-    speculator = Speculator(DraftSettings(beam_width=1, beam_length=3), True, [[1, 2]], cheap)
+    speculator = tracking(DraftSettings(beam_width=1, beam_length=3), True, [[1, 2]])
     for _ in range(20):
-        speculator.trees([0], [2], beams, probs)
+        speculator.trees([0], [2], beams, probs, cost=cheap)
     assert speculator.rnn_on and speculator.use_rnn()
 
 
 def test_without_a_drafter_only_lookup_drafts():
-    speculator = Speculator(DraftSettings(max_nodes=4), False, [[1, 2, 3, 1, 2]])
+    speculator = tracking(DraftSettings(max_nodes=4), False, [[1, 2, 3, 1, 2]])
     assert not speculator.use_rnn()
     (tree,) = speculator.trees([0], [2], None, None)
     assert tree.tokens == [2, 3, 1, 2]
