@@ -19,6 +19,10 @@ __version__ = "0.1.0"
 
 from .api import batch_generate, generate, stream_generate  # noqa: E402
 from .loading import load  # noqa: E402
+from .prompt_cache import load_prompt_cache, make_prompt_cache, save_prompt_cache  # noqa: E402
 from .sampling import SamplingSettings, make_chooser  # noqa: E402
 
-__all__ = ["load", "generate", "stream_generate", "batch_generate", "SamplingSettings", "make_chooser"]
+__all__ = [
+    "load", "generate", "stream_generate", "batch_generate", "SamplingSettings", "make_chooser",
+    "make_prompt_cache", "save_prompt_cache", "load_prompt_cache",
+]

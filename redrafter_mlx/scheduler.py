@@ -61,6 +61,7 @@ class Ticket:
         self.id, self.request, self.loop = id, request, loop
         self.events: asyncio.Queue = asyncio.Queue()
         self.row: Optional[int] = None  # its Decoder row once it has joined
+        self.cancelled = False
 
     def post(self, event: Event) -> None:
         self.loop.call_soon_threadsafe(self.events.put_nowait, event)
@@ -75,8 +76,6 @@ class Scheduler:
         self.max_batch = max_batch
         self.store = PromptCacheStore(cache_bytes)
         self.incoming: queue.Queue = queue.Queue()
-        self.cancelled: set = set()
-        self.lock = threading.Lock()
         self.ids = itertools.count()
         self.choosers: dict = {}
         self.active: dict = {}  # Decoder row -> Ticket
@@ -115,8 +114,7 @@ class Scheduler:
     def cancel(self, ticket: Ticket) -> None:
         """Stop a request (its client went away, or a stop string ended
         it); its row leaves the batch before the next step."""
-        with self.lock:
-            self.cancelled.add(ticket.id)
+        ticket.cancelled = True
 
     def health(self) -> dict:
         """Whether the engine thread runs; requests decoding and waiting."""
@@ -141,14 +139,12 @@ class Scheduler:
                     break
             if None in waiting:
                 return
-            with self.lock:
-                cancelled, self.cancelled = self.cancelled, set()
-            waiting = [t for t in waiting if t.id not in cancelled]
-            leaving = [row for row, t in self.active.items() if t.id in cancelled]
+            waiting = [t for t in waiting if not t.cancelled]
+            leaving = [row for row, t in self.active.items() if t.cancelled and row not in self.decoder.leaving]
             for row in leaving:  # a stop string ended it: the next turn may follow
                 self._remember(row)
             self.decoder.leave(leaving)
-            room = self.max_batch - sum(1 for t in self.active.values() if t.id not in cancelled)
+            room = self.max_batch - sum(1 for t in self.active.values() if not t.cancelled)
             joining, waiting = waiting[: max(room, 0)], waiting[max(room, 0) :]
             try:
                 if joining:

@@ -41,6 +41,11 @@ def test_chat_session():
         child.sendline("What city did I ask about first? Answer with one word.")
         child.expect(">> ")
         assert child.isalive()
+        # Its prompt came from the conversation's cache, the stopped answer too.
+        child.sendline("/stats")
+        child.expect(r"first token after [\d.]+ s, (\d+) prompt tokens from the cache")
+        assert int(child.match.group(1)) > 40
+        child.expect(">> ")
 
         child.sendline("/reset")
         child.expect("conversation cleared")

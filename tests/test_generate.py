@@ -142,3 +142,33 @@ def test_plain_decoding_steps_across_the_cache_growth_boundary():
     reference = mlx_lm_greedy(base.model, prompt, 12)
     (tokens,), accepted = run(ReDrafter(base, None), [prompt], max_tokens=12, max_nodes=0, lookup=False)
     assert tokens == reference[:12] and set(accepted) == {0}
+
+
+def test_prompts_that_join_and_leave_a_running_batch_decode_as_they_would_alone():
+    from redrafter_mlx.drafting import DraftSettings
+    from redrafter_mlx.generate import Decoder
+
+    redrafter = ReDrafter(BaseModel(tiny_model("llama", seed=4)), tiny_drafter(seed=5))
+    prompts = [[5, 17, 42, 99, 3], [7, 7, 8, 9, 10, 11, 12, 13, 14], [200, 3]]
+    alone = [run(redrafter, [p], max_tokens=30)[0][0] for p in prompts]
+    decoder = Decoder(redrafter, DraftSettings(), cost_batch_sizes=(1, 2, 4))
+    tokens = {}
+
+    def record(outputs):
+        for out in outputs:
+            tokens[out.row] = tokens.get(out.row, []) + out.tokens
+
+    record(decoder.join(prompts[:1], 30))
+    for _ in range(3):
+        record(decoder.step())
+    record(decoder.join(prompts[1:], [30, 30], ids=[1, 2]))
+    record(decoder.step())
+    decoder.leave([1])
+    while decoder.rows or not tokens:
+        outputs = decoder.step()
+        if not outputs:
+            break
+        record(outputs)
+    assert tokens[0] == alone[0] and tokens[2] == alone[2]
+    assert 1 <= len(tokens[1]) < 30 and tokens[1] == alone[1][: len(tokens[1])]
+    assert decoder.rows == [] and decoder.tracker.context == {}

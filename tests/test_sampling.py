@@ -326,3 +326,24 @@ def test_too_few_row_seeds_is_one_clear_error():
     choose = make_chooser(SamplingSettings(temp=1.0, row_seeds=[1, 2]))
     with pytest.raises(UserError, match="row_seeds holds 2 seeds"):
         choose(mx.zeros((1, 1, 8)), TokenHistory([2], [[0]]))
+
+
+def test_prompts_with_settings_of_their_own_sample_in_one_batch_as_alone():
+    from redrafter_mlx.sampling import chooser_per_prompt
+
+    base = BaseModel(tiny_model("llama", seed=6))
+    redrafter = ReDrafter(base, tiny_drafter(seed=7))
+    prompts = [[5, 17, 42], [9, 8, 7, 6], [5, 17, 42]]
+    settings = [SamplingSettings(temp=1.0, top_k=8, seed=11), SamplingSettings(temp=0.0, repetition_penalty=1.3), SamplingSettings(temp=0.7, top_p=0.9, seed=12)]
+
+    def tokens(prompt_list, choose, ids=None):
+        out = {}
+        for step in generate_steps(redrafter, prompt_list, max_tokens=20, choose=choose, row_ids=ids):
+            for o in step:
+                out[o.row] = out.get(o.row, []) + o.tokens
+        return [out[i] for i in range(len(prompt_list))]
+
+    alone = [tokens([p], make_chooser(s))[0] for p, s in zip(prompts, settings)]
+    together = tokens(prompts, chooser_per_prompt({40 + i: make_chooser(s) for i, s in enumerate(settings)}), ids=[40, 41, 42])
+    assert together == alone
+    assert alone[0] != alone[2]  # the seeds and settings differ
