@@ -149,8 +149,12 @@ def load(
             print("note: no drafter is shipped for this model; drafting by context lookup only", file=sys.stderr)
         else:
             draft_model = load_drafter(drafter)
+    # Every weight is evaluated here: MLX runs a lazy graph only on the
+    # thread that built it, and the server decodes on a thread of its own.
     if draft_model is None:
+        mx.eval(base.model.parameters())
         return ReDrafter(base, None, identity), tokenizer
     check_compatible(draft_model.args, base.hidden_size, base.vocab_size)
     draft_model.set_dtype(base.dtype)  # compute like the base model
+    mx.eval(base.model.parameters(), draft_model.parameters())
     return ReDrafter(base, draft_model, identity, drafter_identity(drafter)), tokenizer

@@ -37,6 +37,23 @@ def test_folder_model_loads_and_generates(model_folder, tmp_path):
     assert isinstance(text, str)
 
 
+def test_a_loaded_model_generates_on_another_thread(model_folder, tmp_path):
+    """MLX runs a lazy graph only on the thread that built it; the server
+    loads on one thread and decodes on another. A float16 drafter is cast
+    to the float32 base model's dtype on loading: that cast must be done."""
+    import threading
+
+    drafter = Drafter(DrafterArgs(vocab_size=49152, hidden_size=64, exit_dim=32))
+    drafter.set_dtype(mx.float16)
+    save_drafter(drafter, str(tmp_path / "d16"))
+    redrafter, tokenizer = load(str(model_folder), str(tmp_path / "d16"))
+    results = []
+    worker = threading.Thread(target=lambda: results.append(generate(redrafter, tokenizer, "Hello", max_tokens=8, max_nodes=4)))
+    worker.start()
+    worker.join()
+    assert len(results) == 1 and isinstance(results[0], str)
+
+
 def test_missing_model_and_bad_dtype(tmp_path):
     with pytest.raises(UserError, match="model not found"):
         load_base_model(str(tmp_path / "nothing"))
