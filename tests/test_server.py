@@ -169,7 +169,7 @@ def test_concurrent_clients_get_what_each_would_get_alone(client, reference):
     assert together == [expected[QUESTIONS.index(q)] for q in jobs]
 
 
-def test_seeded_sampling_is_reproducible_beside_other_requests(client):
+def test_seeded_sampling_is_reproducible_beside_other_requests(server, client):
     def sample(seed):
         return client.chat.completions.create(model="x", messages=[{"role": "user", "content": QUESTIONS[0]}], max_tokens=12, temperature=1.0, seed=seed, extra_body={"top_k": 8}).choices[0].message.content
 
@@ -178,6 +178,9 @@ def test_seeded_sampling_is_reproducible_beside_other_requests(client):
         beside = list(pool.map(lambda s: sample(s), [7, 8, 7, 9]))
     assert beside[0] == beside[2] == first
     assert len({first, beside[1], beside[3]}) > 1
+    # The same as `generate --seed` gives for that prompt.
+    result = run_cli("generate", "--model", server[2], "--drafter", "none", "--prompt", QUESTIONS[0], "--max-tokens", 12, "--temp", 1.0, "--top-k", 8, "--seed", 7, "--json")
+    assert json.loads(result.stdout)["text"] == first
 
 
 def test_the_next_turn_reuses_the_cached_conversation(client, reference):
