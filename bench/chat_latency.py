@@ -64,8 +64,7 @@ def main() -> None:
     }
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(summary, f, indent=1)
-            f.write("\n")
+            f.write(json.dumps(summary, indent=1) + "\n")
 
 
 if __name__ == "__main__":

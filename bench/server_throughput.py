@@ -118,8 +118,7 @@ def main() -> None:
     if args.json:
         summary = {"command": " ".join(sys.argv), "machine": f"{platform.machine()} {platform.system()}, float32 on the CPU unless Metal", "levels": rows}
         with open(args.json, "w") as f:
-            json.dump(summary, f, indent=1)
-            f.write("\n")
+            f.write(json.dumps(summary, indent=1) + "\n")
 
 
 if __name__ == "__main__":
