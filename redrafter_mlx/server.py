@@ -17,6 +17,8 @@ from typing import Optional
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request as HTTPRequest
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
@@ -98,7 +100,10 @@ class Server:
         async def http_error(request, exc: HTTPException):
             return error_response(exc.detail or "error", exc.status_code)
 
-        return Starlette(routes=routes, exception_handlers={HTTPException: http_error})
+        # As mlx_lm.server does, any web page may call it (it listens on
+        # loopback unless told otherwise).
+        cors = Middleware(CORSMiddleware, allow_origins=["*"], allow_methods=["GET", "POST", "OPTIONS"], allow_headers=["*"])
+        return Starlette(routes=routes, exception_handlers={HTTPException: http_error}, middleware=[cors])
 
     async def models(self, request: HTTPRequest) -> JSONResponse:
         return JSONResponse({"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created, "owned_by": "redrafter-mlx"}]})

@@ -155,6 +155,8 @@ def test_models_health_and_an_unknown_model_name_loads_nothing(server, client):
     assert [m.id for m in models.data] == [os.path.basename(server[2])]
     health = httpx.get(server[0] + "/health").json()
     assert health["status"] == "ok"
+    preflight = httpx.options(server[0] + "/v1/chat/completions", headers={"Origin": "http://localhost:3000", "Access-Control-Request-Method": "POST"})
+    assert preflight.status_code == 200 and preflight.headers["access-control-allow-origin"] in ("*", "http://localhost:3000")
     response = client.chat.completions.create(model="no/such-model", messages=[{"role": "user", "content": "w17"}], max_tokens=2, extra_body={"unknown_field": 3})
     assert response.usage.completion_tokens == 2
 
