@@ -351,6 +351,7 @@ def train(
     soft_targets: float = typer.Option(0.0, "--soft-targets", help="Weight of the base model's whole next-token distribution as the target (0: only the generated tokens, the reference objective; 1: only the distribution)."),
     warm_start: bool = typer.Option(False, "--warm-start", help="Start from the base model's own head (needs --exit-dim equal to its hidden size): the first prediction is the base model's ranking of h."),
     hidden_loss: float = typer.Option(0.0, "--hidden-loss", help="Weight of an extra loss: the squared error between the drafter's features and the base model's next hidden states (needs --exit-dim equal to its hidden size)."),
+    lookup_weight: float = typer.Option(1.0, "--lookup-weight", help="Weight in the loss of targets that context lookup already drafts right (the tree holds its draft there anyway); 1 weighs every target alike."),
     depth: int = typer.Option(5, "--depth", help="T: tokens drafted per position during training (teacher forcing)."),
     exit_dim: int = typer.Option(1024, "--exit-dim", help="Width of the drafter's residual blocks."),
     num_draft_layers: int = typer.Option(1, "--num-draft-layers", help="Residual blocks before the vocab projection."),
@@ -378,6 +379,8 @@ def train(
         fail("--hidden-dropout must be in [0, 1)")
     if not 0 <= soft_targets <= 1:
         fail("--soft-targets must be in [0, 1]")
+    if not 0 <= lookup_weight <= 1:
+        fail(f"--lookup-weight takes a number in [0, 1], got {lookup_weight}")
     if hidden_loss < 0:
         fail("--hidden-loss must be at least 0")
     if min(steps, batch_size, depth, exit_dim, eval_every, save_every) < 1 or warmup < 0 or num_draft_layers < 0 or draft_vocab < 0:
@@ -389,7 +392,7 @@ def train(
         depth=depth, exit_dim=exit_dim, num_draft_layers=num_draft_layers, rnn=rnn, draft_vocab=draft_vocab,
         dtype=drafter_dtype, steps=steps, batch_size=batch_size, learning_rate=learning_rate, warmup=warmup,
         weight_decay=weight_decay, grad_clip=grad_clip, hidden_dropout=hidden_dropout, soft_targets=soft_targets,
-        warm_start=warm_start, hidden_loss=hidden_loss, eval_every=eval_every, save_every=save_every, seed=seed,
+        warm_start=warm_start, hidden_loss=hidden_loss, lookup_weight=lookup_weight, eval_every=eval_every, save_every=save_every, seed=seed,
     )
     if len({os.path.realpath(path) for path in data}) < len(data):
         fail("the same --data folder is given twice")
@@ -404,7 +407,7 @@ def train(
     # Rows of the stacked hidden states follow the concatenated sequences' positions.
     hidden = StackedRows([compute_hidden_cache(base, folder, part) for folder, part in zip(folders, parts)])
     sequences = Sequences.concatenate(parts)
-    positions = build_positions(sequences, config.depth, config.eval_fraction)
+    positions = build_positions(sequences, config.depth, config.eval_fraction, with_lookup=config.lookup_weight != 1)
     vocab = build_draft_vocab(sequences, draft_vocab) if draft_vocab else None
     out.mkdir(parents=True, exist_ok=True)
     trainer = Trainer(base, positions, hidden, config, output, vocab)

@@ -23,6 +23,11 @@ the mean squared error between the drafter's features (what its vocab
 projection reads) and h[t+k+1], the base model's own state for the target
 (as EAGLE trains its drafter), so the drafter learns features, not only ids.
 
+``lookup_weight`` < 1 weighs less the targets that context lookup already
+drafts right (the tree holds lookup's draft there anyway, so the RNN's value
+is where lookup fails); ``lookup_depths`` replays lookup over each sequence
+as ``generate`` runs it.
+
 Hidden states come from the data folder: ``distill`` saves them beside each
 shard, and shards without them are run through the base model once, a batch
 of sequences at a time. Training reads them from a float16 memory-mapped
@@ -46,6 +51,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from .distill import DataFolder, Sequences, hidden_path
 from .drafter import Drafter, DrafterArgs, load_drafter, save_drafter
 from .errors import UserError
+from .lookup import LookupIndex
 
 HIDDEN_FILE = "hidden.f16.npy"
 HIDDEN_INDEX = "hidden-index.json"  # which shards the cache was built from
@@ -71,6 +77,7 @@ class TrainConfig:
     soft_targets: float = 0.0  # weight of the base model's distribution as target (0: generated tokens only)
     warm_start: bool = False  # start from the base model's head (exit_dim = hidden_size)
     hidden_loss: float = 0.0  # weight of the features' squared error to h[t+k+1] (exit_dim = hidden_size)
+    lookup_weight: float = 1.0  # weight of targets that context lookup already drafts right
     grad_clip: float = 1.0
     eval_every: int = 250
     save_every: int = 250
@@ -85,11 +92,14 @@ class Positions:
     hidden_row: (R,) row of h[t] in the hidden cache.
     tokens: (R, T + 1) x[t+1] .. x[t+T+1], -1 past the sequence's end.
     held_out: (R,) bool, rows of held-out sequences.
+    lookup_depth: (R,) how many of x[t+2] .. x[t+T+1] context lookup drafts
+        right, as a step rooted at x[t+1] proposes them (``lookup_depths``).
     """
 
     hidden_row: np.ndarray
     tokens: np.ndarray
     held_out: np.ndarray
+    lookup_depth: np.ndarray
 
 
 def cached_positions(sequences: Sequences) -> np.ndarray:
@@ -97,10 +107,30 @@ def cached_positions(sequences: Sequences) -> np.ndarray:
     return np.maximum(sequences.lengths - sequences.prompt_lengths, 0)
 
 
-def build_positions(sequences: Sequences, depth: int, eval_fraction: float) -> Positions:
+def lookup_depths(sequence: list, first: int, count: int, depth: int, max_ngram: int = 3) -> np.ndarray:
+    """For positions t = first .. first + count - 1 of one sequence: how
+    many of x[t+2] .. x[t+depth+1] context lookup's first continuation
+    drafts right from the context x[0] .. x[t+1], as ``generate`` drafts
+    them (``lookup.LookupIndex``)."""
+    context, matched = list(sequence[: first + 1]), np.zeros(count, np.int64)
+    index = LookupIndex(context, max_ngram)
+    for i in range(count):
+        t = first + i
+        context.append(sequence[t + 1])
+        proposals = index.propose(depth)
+        if proposals:
+            drafted, target = proposals[0][0], sequence[t + 2 : t + 2 + depth]
+            while matched[i] < min(len(drafted), len(target)) and drafted[matched[i]] == target[matched[i]]:
+                matched[i] += 1
+    return matched
+
+
+def build_positions(sequences: Sequences, depth: int, eval_fraction: float, with_lookup: bool = False) -> Positions:
+    """All training positions; with ``with_lookup``, also how deep context
+    lookup drafts right at each (else 0)."""
     counts = cached_positions(sequences)
     starts = np.concatenate([[0], np.cumsum(sequences.lengths)[:-1]])
-    rows, windows, held = [], [], []
+    rows, windows, held, lookup = [], [], [], []
     every = max(int(round(1 / eval_fraction)), 2) if eval_fraction > 0 else 0
     row = 0
     for i, n in enumerate(counts):
@@ -111,8 +141,9 @@ def build_positions(sequences: Sequences, depth: int, eval_fraction: float) -> P
         windows.append(padded[index])
         rows.append(np.arange(row, row + n))
         held.append(np.full(n, every and sequences.prompt_index[i] % every == 0))
+        lookup.append(lookup_depths(seq.tolist(), first, n, depth) if with_lookup else np.zeros(n, np.int64))
         row += n
-    return Positions(np.concatenate(rows), np.concatenate(windows).astype(np.int32), np.concatenate(held))
+    return Positions(np.concatenate(rows), np.concatenate(windows).astype(np.int32), np.concatenate(held), np.concatenate(lookup))
 
 
 def compute_hidden_cache(base, folder: DataFolder, sequences: Sequences, batch_tokens: int = 8192, progress: bool = True) -> np.ndarray:
@@ -220,6 +251,7 @@ def drafter_loss(
     soft_weight: float = 0.0,
     teacher_hidden: Optional[mx.array] = None,
     hidden_weight: float = 0.0,
+    weights: Optional[mx.array] = None,
 ) -> tuple[mx.array, mx.array, mx.array]:
     """The ReDrafter training loss.
 
@@ -238,6 +270,7 @@ def drafter_loss(
         hidden_weight: adds ``hidden_weight`` times the mean over dimensions
             of the squared error between the drafter's features and them,
             where the target exists (exit_dim must equal hidden_size).
+        weights: (N, T) each target's weight in the loss (default 1).
 
     Returns:
         loss: sum over depths of the mean per-position loss at that depth.
@@ -261,6 +294,8 @@ def drafter_loss(
             error = (features.astype(mx.float32) - teacher_hidden[:, k]).square().mean(axis=-1)
             ce = ce + hidden_weight * error
         n = valid.sum()
+        if weights is not None:
+            ce = ce * weights[:, k]
         loss = loss + (ce * valid).sum() / mx.maximum(n, 1)
         correct.append(((mx.argmax(logits, axis=-1) == target) & valid).sum())
         counted.append(n)
@@ -360,23 +395,26 @@ class Trainer:
         state = [self.drafter.state, self.optimizer.state]
         return mx.compile(train_step, inputs=state, outputs=state)
 
-    def _loss(self, hidden, tokens, targets, teacher_hidden=None):
+    def _loss(self, hidden, tokens, targets, weights=None, teacher_hidden=None):
         teacher_logits = None
         if self.teacher_head is not None:
             teacher_logits = mx.stop_gradient(teacher_hidden @ self.teacher_head.T)
         config = self.config
-        return drafter_loss(self.drafter, self.embed, hidden, tokens, targets, teacher_logits, config.soft_targets, teacher_hidden, config.hidden_loss)
+        return drafter_loss(self.drafter, self.embed, hidden, tokens, targets, teacher_logits, config.soft_targets, teacher_hidden, config.hidden_loss, weights)
 
     def batch(self, rows: np.ndarray) -> tuple:
         """Arrays for ``_loss``: h[t] (n, hidden), RNN inputs (n, T),
-        targets (n, T) and, with soft targets or the hidden loss, h[t+1] ..
-        h[t+T] (n, T, hidden), the states the base model chose each target
-        from."""
+        targets (n, T), their weights (n, T) (``lookup_weight`` where context
+        lookup drafts the target right, else 1) and, with soft targets or
+        the hidden loss, h[t+1] .. h[t+T] (n, T, hidden), the states the
+        base model chose each target from."""
         hidden_rows = self.positions.hidden_row[rows]
         hidden = mx.array(self.hidden_cache[hidden_rows].astype(np.float32))
         window = self.positions.tokens[rows]
         targets = draft_targets(self.to_draft, window[:, 1:])
-        arrays = (hidden, mx.array(window[:, :-1]), mx.array(targets))
+        by_lookup = np.arange(self.config.depth)[None, :] < self.positions.lookup_depth[rows][:, None]
+        weights = np.where(by_lookup, self.config.lookup_weight, 1.0).astype(np.float32)
+        arrays = (hidden, mx.array(window[:, :-1]), mx.array(targets), mx.array(weights))
         if self.teacher_head is None and self.config.hidden_loss == 0:
             return arrays
         # h[t+k+1] is the next row of the same sequence wherever x[t+k+2]
@@ -410,7 +448,8 @@ class Trainer:
             return {}
         total_loss, correct, counted, batches = 0.0, 0, 0, 0
         for start in range(0, len(rows), self.config.batch_size):
-            loss, c, n = self._loss(*self.batch(rows[start : start + self.config.batch_size]))
+            hidden, tokens, targets, _, *teacher = self.batch(rows[start : start + self.config.batch_size])
+            loss, c, n = self._loss(hidden, tokens, targets, None, *teacher)  # unweighted, comparable across runs
             total_loss += loss.item()
             correct, counted, batches = correct + np.array(c), counted + np.array(n), batches + 1
         accuracy = (correct / np.maximum(counted, 1)).round(4).tolist()

@@ -17,12 +17,13 @@ from redrafter_mlx.train import (
     build_positions,
     compute_hidden_cache,
     drafter_loss,
+    lookup_depths,
     train,
 )
 
 
-@pytest.mark.parametrize("soft_weight", [0.0, 0.6])
-def test_loss_equals_direct_computation(soft_weight):
+@pytest.mark.parametrize("soft_weight,weighted", [(0.0, False), (0.6, False), (0.0, True)])
+def test_loss_equals_direct_computation(soft_weight, weighted):
     drafter = tiny_drafter(seed=5, exit_dim=48, layers=2)
     table = mx.random.normal((VOCAB, HIDDEN), key=mx.random.key(1))
     embed = lambda t: table[t]
@@ -33,8 +34,10 @@ def test_loss_equals_direct_computation(soft_weight):
     targets[4, 1:] = -1  # the sequence ends
     targets[5, 2] = -1
     teacher_logits = rng.normal(size=(6, 3, VOCAB)) * 3
+    weights = rng.uniform(0, 1, size=(6, 3)) if weighted else np.ones((6, 3))
     loss, correct, counted = drafter_loss(
-        drafter, embed, hidden, mx.array(tokens), mx.array(targets), mx.array(teacher_logits, mx.float32), soft_weight
+        drafter, embed, hidden, mx.array(tokens), mx.array(targets), mx.array(teacher_logits, mx.float32), soft_weight,
+        weights=mx.array(weights, mx.float32) if weighted else None,
     )
 
     expected, hits, counts = 0.0, np.zeros(3), np.zeros(3)
@@ -51,7 +54,7 @@ def test_loss_equals_direct_computation(soft_weight):
             teacher = np.exp(teacher_logits[i, k] - teacher_logits[i, k].max())
             teacher /= teacher.sum()
             soft = -(teacher * (logits - log_z)).sum()
-            terms.append((1 - soft_weight) * (log_z - logits[targets[i, k]]) + soft_weight * soft)
+            terms.append(weights[i, k] * ((1 - soft_weight) * (log_z - logits[targets[i, k]]) + soft_weight * soft))
             hits[k] += logits.argmax() == targets[i, k]
             counts[k] += 1
         expected += np.mean(terms)
@@ -102,7 +105,7 @@ def make_trainer(setup, output, **overrides):
     base, sequences, hidden = setup
     config = TrainConfig(**{**dict(depth=4, exit_dim=64, steps=300, batch_size=64, learning_rate=3e-3, warmup=20,
                                     eval_every=100, save_every=100, eval_fraction=0.1), **overrides})
-    positions = build_positions(sequences, config.depth, config.eval_fraction)
+    positions = build_positions(sequences, config.depth, config.eval_fraction, with_lookup=config.lookup_weight != 1)
     vocab = build_draft_vocab(sequences, config.draft_vocab) if config.draft_vocab else None
     return Trainer(base, positions, hidden, config, str(output), vocab)
 
@@ -135,7 +138,7 @@ def test_soft_targets_are_the_base_models_next_token_distribution(setup, tmp_pat
     trainer = make_trainer(setup, tmp_path / "out", soft_targets=1.0, draft_vocab=48)
     p, length = int(sequences.prompt_lengths[0]), int(sequences.lengths[0])
     direct = np.array(base.backbone(mx.array([sequences.sequence(0).tolist()]))[0])
-    _, _, targets, teacher = trainer.batch(np.array([0, 1]))
+    _, _, targets, _, teacher = trainer.batch(np.array([0, 1]))
     for row in (0, 1):
         for k in range(trainer.config.depth):
             t = p - 1 + row  # position of h[t] for row
@@ -144,7 +147,7 @@ def test_soft_targets_are_the_base_models_next_token_distribution(setup, tmp_pat
 
     def agreement():
         rows = trainer.eval_rows
-        h, tokens, targets, teacher = trainer.batch(rows)
+        h, tokens, targets, _, teacher = trainer.batch(rows)
         valid = np.array(targets) >= 0
         teacher_choice = np.array(mx.argmax(teacher @ trainer.teacher_head.T, axis=-1))
         state, choices = None, []
@@ -220,8 +223,8 @@ def test_the_hidden_loss_is_the_squared_error_of_the_features_to_the_next_states
     base, _, _ = setup
     trainer = make_trainer(setup, tmp_path / "out", exit_dim=HIDDEN, hidden_loss=0.5)
     rows = trainer.train_rows[:40]
-    h, tokens, targets, teacher = trainer.batch(rows)
-    loss, _, _ = trainer._loss(h, tokens, targets, teacher)
+    h, tokens, targets, _, teacher = trainer.batch(rows)
+    loss, _, _ = trainer._loss(h, tokens, targets, None, teacher)
     plain, _, _ = drafter_loss(trainer.drafter, base.embed, h, tokens, targets)
     state, extra = None, 0.0
     drafter = trainer.drafter
@@ -236,4 +239,24 @@ def test_the_hidden_loss_is_the_squared_error_of_the_features_to_the_next_states
     assert float(loss) == pytest.approx(float(plain) + extra, rel=1e-4)
     first = float(loss)
     train(trainer, progress=False)
-    assert float(trainer._loss(h, tokens, targets, teacher)[0]) < first  # it trains
+    assert float(trainer._loss(h, tokens, targets, None, teacher)[0]) < first  # it trains
+
+
+def test_lookup_depths_count_the_targets_context_lookup_drafts_right():
+    sequence = [5, 1, 2, 3, 4, 1, 2, 3, 9, 1, 2]
+    # Position t's step is rooted at x[t+1]; lookup continues the context
+    # x[0] .. x[t+1] from the latest earlier occurrence of its longest
+    # matching suffix. t = 4: "1" occurred at 1, so it drafts 2 3 4 against
+    # 2 3 9; t = 5: "1 2" drafts 3 4 1 against 3 9 1; t = 8: "1" (at 5)
+    # drafts 2 3 9 where only 2 is left.
+    assert lookup_depths(sequence, first=1, count=9, depth=3).tolist() == [0, 0, 0, 2, 1, 0, 0, 1, 0]
+
+
+def test_targets_lookup_drafts_right_get_the_lookup_weight(setup, tmp_path):
+    trainer = make_trainer(setup, tmp_path / "out", lookup_weight=0.25)
+    depth = trainer.positions.lookup_depth
+    assert depth.max() >= 1  # the data's cycle repeats, so lookup drafts it
+    rows = np.arange(200)
+    weights = np.array(trainer.batch(rows)[3])
+    np.testing.assert_array_equal(weights, np.where(np.arange(trainer.config.depth) < depth[rows][:, None], 0.25, 1.0))
+    assert make_trainer(setup, tmp_path / "plain").positions.lookup_depth.max() == 0  # not computed at weight 1
