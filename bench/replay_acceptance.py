@@ -5,7 +5,10 @@ sequences held out from training are used (the trainer's rule), unless
 depth over every target (one outside a reduced draft vocabulary counts as a
 miss) and, with a reduced draft vocabulary, the tokens per step of a drafter
 that is right about every token in its vocabulary: the ceiling that
-vocabulary puts on any drafter.
+vocabulary puts on any drafter. With ``--lookup``, each shape is also
+replayed with one context-lookup continuation in the same tree, as
+``generate`` drafts it (every node verified): a step accepts the longer of
+the two drafts' agreeing prefixes.
 
     python bench/replay_acceptance.py --drafter DRAFTER --data data/distill-smollm2-135m --shapes 1x5,4x5
 """
@@ -23,7 +26,7 @@ from redrafter_mlx.distill import DataFolder
 from redrafter_mlx.drafter import load_drafter
 from redrafter_mlx.errors import UserError
 from redrafter_mlx.loading import load_base_model
-from redrafter_mlx.replay import accepted_lengths, in_vocabulary_lengths, tokens_per_step
+from redrafter_mlx.replay import accepted_lengths, in_vocabulary_lengths, tokens_per_step, with_lookup
 from redrafter_mlx.train import (
     TrainConfig, build_positions, cached_positions, compute_hidden_cache, draft_index_map, draft_targets, drafter_loss,
 )
@@ -49,6 +52,7 @@ def main():
     parser.add_argument("--data", required=True, help="A greedy distillation data folder.")
     parser.add_argument("--shapes", default="1x5,2x5,4x5,8x5")
     parser.add_argument("--all", action="store_true", help="Replay every sequence, not only held-out ones.")
+    parser.add_argument("--lookup", action="store_true", help="Also replay each shape with one context-lookup continuation in the tree.")
     args = parser.parse_args()
 
     folder = DataFolder(args.data)
@@ -62,7 +66,7 @@ def main():
     shapes = [tuple(map(int, shape.split("x"))) for shape in args.shapes.split(",")]
     longest = max(length for _, length in shapes)
     config = TrainConfig()
-    positions = build_positions(sequences, max(longest - 1, config.depth), config.eval_fraction)
+    positions = build_positions(sequences, max(longest - 1, config.depth), config.eval_fraction, with_lookup=args.lookup)
     counts = cached_positions(sequences)  # positions, i.e. response tokens, per sequence
     first_row = np.concatenate([[0], np.cumsum(counts)[:-1]])
     # A sequence is held out when its positions are (the trainer's rule).
@@ -78,6 +82,10 @@ def main():
     for width, length in shapes:
         accepted = accepted_lengths(drafter, base.embed, row_hidden, windows[:, :length], width)
         result[f"{width}x{length}"] = round(tokens_per_step(accepted, counts[keep]), 3)
+        if args.lookup:
+            lookup = positions.lookup_depth[rows]
+            result[f"lookup_{length - 1}_drafted"] = round(tokens_per_step(with_lookup(np.zeros_like(accepted), lookup, length), counts[keep]), 3)
+            result[f"{width}x{length}+lookup"] = round(tokens_per_step(with_lookup(accepted, lookup, length), counts[keep]), 3)
         print(json.dumps(result), flush=True)
 
 

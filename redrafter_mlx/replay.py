@@ -47,6 +47,14 @@ def in_vocabulary_lengths(windows: np.ndarray, draft_token_ids: np.ndarray, voca
     return np.cumprod(in_vocab[windows[:, 1:]], axis=-1).sum(-1)
 
 
+def with_lookup(accepted: np.ndarray, lookup_depth: np.ndarray, length: int) -> np.ndarray:
+    """Drafts accepted per position when one context-lookup continuation
+    (``train.lookup_depths``: how many of its tokens are right) joins beams
+    of ``length`` in the tree, every node verified: the longer agreeing
+    prefix of the two."""
+    return np.maximum(accepted, np.minimum(lookup_depth, length - 1))
+
+
 def count_steps(accepted: np.ndarray, counts: np.ndarray) -> int:
     """Steps to generate every sequence, as generation counts them.
 

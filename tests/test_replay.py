@@ -9,7 +9,7 @@ from redrafter_mlx.base_model import BaseModel
 from redrafter_mlx.distill import DataFolder, distill, response_stream
 from redrafter_mlx.drafting import DraftSettings
 from redrafter_mlx.generate import ReDrafter, generate_steps
-from redrafter_mlx.replay import accepted_lengths, count_steps, in_vocabulary_lengths, tokens_per_step
+from redrafter_mlx.replay import accepted_lengths, count_steps, in_vocabulary_lengths, tokens_per_step, with_lookup
 from redrafter_mlx.sampling import SamplingSettings
 from redrafter_mlx.train import build_positions, cached_positions, compute_hidden_cache
 
@@ -32,8 +32,9 @@ def test_in_vocabulary_lengths():
     np.testing.assert_array_equal(lengths, [3, 1, 1, 2])
 
 
+@pytest.mark.parametrize("lookup", [False, True], ids=["rnn", "rnn+lookup"])
 @pytest.mark.parametrize("shape", [(1, 3), (4, 5)], ids=lambda s: f"{s[0]}x{s[1]}")
-def test_replay_takes_as_many_steps_as_real_generation(tmp_path, shape):
+def test_replay_takes_as_many_steps_as_real_generation(tmp_path, shape, lookup):
     width, length = shape
     base = BaseModel(tiny_model("llama", seed=5))
     folder = DataFolder(tmp_path / "data")
@@ -42,10 +43,15 @@ def test_replay_takes_as_many_steps_as_real_generation(tmp_path, shape):
     # A drafter right up to a pseudo-random depth at each position.
     drafter = OracleDrafter(base, [sequences.sequence(i).tolist() for i in range(len(sequences))], corrupt=length)
     hidden = compute_hidden_cache(base, folder, sequences, progress=False)
-    positions = build_positions(sequences, length - 1, eval_fraction=0)
+    positions = build_positions(sequences, length - 1, eval_fraction=0, with_lookup=lookup)
     counts = cached_positions(sequences)
     accepted = accepted_lengths(drafter, base.embed, hidden[positions.hidden_row], positions.tokens, width)
     assert len(set(accepted.tolist())) > 2
+    draft = DraftSettings.rnn_only(width, length)
+    if lookup:
+        assert (positions.lookup_depth > accepted).any()  # lookup adds something here
+        accepted = with_lookup(accepted, positions.lookup_depth, length)
+        draft = DraftSettings(width, length, max_nodes=(width + 1) * (length - 1), lookup=True)  # every node verified
 
     starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
     redrafter = ReDrafter(base, drafter)
@@ -53,7 +59,7 @@ def test_replay_takes_as_many_steps_as_real_generation(tmp_path, shape):
         prompt_length = int(sequences.prompt_lengths[i])
         sequence = sequences.sequence(i).tolist()
         tokens, steps = [], 0
-        for step in generate_steps(redrafter, [sequence[:prompt_length]], max_tokens=int(counts[i]), draft=DraftSettings.rnn_only(width, length)):
+        for step in generate_steps(redrafter, [sequence[:prompt_length]], max_tokens=int(counts[i]), draft=draft):
             tokens += step[0].tokens
             steps += step[0].num_accepted is not None
         assert tokens == sequence[prompt_length:]
