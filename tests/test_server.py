@@ -161,6 +161,18 @@ def test_models_health_and_an_unknown_model_name_loads_nothing(server, client):
     assert response.usage.completion_tokens == 2
 
 
+def test_sampling_fields_reach_the_sampler(client, reference):
+    word = reference.tokenizer.encode("w42")
+    assert len(word) == 1
+    forced = chat(client, QUESTIONS[0], max_tokens=5, logit_bias={str(word[0]): 100})
+    assert forced.choices[0].message.content == " ".join(["w42"] * 5)
+    penalised = chat(client, QUESTIONS[0], max_tokens=5, logit_bias={str(word[0]): 100}, extra_body={"repetition_penalty": 1e6})
+    assert penalised.choices[0].message.content.split(" ")[0] == "w42"
+    assert penalised.choices[0].message.content.split(" ")[1] != "w42"  # penalised once it has appeared
+    sampled = client.chat.completions.create(model="x", messages=[{"role": "user", "content": QUESTIONS[0]}], max_tokens=6, temperature=0.8, top_p=0.9, seed=3, extra_body={"min_p": 0.05})
+    assert sampled.usage.completion_tokens == 6
+
+
 def test_concurrent_clients_get_what_each_would_get_alone(client, reference):
     expected = [reference(q, 16)[2] for q in QUESTIONS]
     alone = [chat(client, q, max_tokens=16).choices[0].message.content for q in QUESTIONS]
