@@ -79,6 +79,7 @@ class Scheduler:
         self.ids = itertools.count()
         self.choosers: dict = {}
         self.active: dict = {}  # Decoder row -> Ticket
+        self.waiting: list = []  # tickets taken from `incoming`, not yet in the batch
         self.decoder = self._new_decoder()
         self.thread = threading.Thread(target=self._run, name="redrafter-engine", daemon=True)
         self.ready = threading.Event()
@@ -118,7 +119,8 @@ class Scheduler:
 
     def health(self) -> dict:
         """Whether the engine thread runs; requests decoding and waiting."""
-        return {"status": "ok" if self.thread.is_alive() else "unavailable", "running": len(self.active), "waiting": self.incoming.qsize()}
+        waiting = len(self.waiting) + self.incoming.qsize()
+        return {"status": "ok" if self.thread.is_alive() else "unavailable", "running": len(self.active), "waiting": waiting}
 
     def _run(self) -> None:
         try:
@@ -128,30 +130,29 @@ class Scheduler:
             return
         finally:
             self.ready.set()
-        waiting: list = []
         while True:
-            if not self.active and not waiting:
-                waiting.append(self.incoming.get())
+            if not self.active and not self.waiting:
+                self.waiting.append(self.incoming.get())
             while True:
                 try:
-                    waiting.append(self.incoming.get_nowait())
+                    self.waiting.append(self.incoming.get_nowait())
                 except queue.Empty:
                     break
-            if None in waiting:
+            if None in self.waiting:
                 return
-            waiting = [t for t in waiting if not t.cancelled]
             leaving = [row for row, t in self.active.items() if t.cancelled and row not in self.decoder.leaving]
             for row in leaving:  # a stop string ended it: the next turn may follow
                 self._remember(row)
             self.decoder.leave(leaving)
-            room = self.max_batch - sum(1 for t in self.active.values() if not t.cancelled)
-            joining, waiting = waiting[: max(room, 0)], waiting[max(room, 0) :]
+            room = max(self.max_batch - sum(1 for t in self.active.values() if not t.cancelled), 0)
+            waiting = [t for t in self.waiting if not t.cancelled]
+            joining, self.waiting = waiting[:room], waiting[room:]
             try:
                 if joining:
                     self._join(joining)
                 self._deliver(self.decoder.step())
             except Exception as e:  # one failure must not stop the server
-                self._fail(f"{type(e).__name__}: {e}")
+                self._fail(f"{type(e).__name__}: {e}", joining)
 
     def _join(self, tickets: list) -> None:
         caches = [self.store.find(t.request.prompt) for t in tickets]
@@ -184,9 +185,9 @@ class Scheduler:
         if self.store.max_bytes:
             self.store.add(PromptCache(*self.decoder.prompt_cache(row), self.redrafter.identity))
 
-    def _fail(self, message: str) -> None:
+    def _fail(self, message: str, joining: list) -> None:
         print(f"error: the engine failed a step ({message}); its requests were ended", file=sys.stderr)
-        for ticket in self.active.values():
+        for ticket in set(self.active.values()) | set(joining):
             ticket.post(Event(error=message))
         self.active.clear()
         self.choosers.clear()
