@@ -496,8 +496,10 @@ def serve(
     """Serve the model over an OpenAI-compatible HTTP API, batching concurrent requests."""
     if max_batch < 1:
         fail(f"max batch must be at least 1, got {max_batch}")
-    if prompt_cache_mb < 0 or max_body_bytes < 1 or max_tokens < 0:
-        fail("--prompt-cache-mb, --max-body-bytes and --max-tokens take positive numbers")
+    if prompt_cache_mb < 0 or max_tokens < 0:
+        fail("--prompt-cache-mb and --max-tokens take numbers >= 0")
+    if max_body_bytes < 1:
+        fail(f"--max-body-bytes must be at least 1, got {max_body_bytes}")
     draft = _draft(drafter, beam_width, beam_length, max_nodes, no_lookup, lookup_max_ngram, lookup_beams)
     sock = _listen(host, port)
     import uvicorn
