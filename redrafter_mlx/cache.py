@@ -133,6 +133,7 @@ class TreeKVCache:
         self.layout = layout
         self.keys: Optional[mx.array] = None
         self.values: Optional[mx.array] = None
+        self.block_end = 0  # where the block last fed ends
 
     @property
     def offset(self):
@@ -148,6 +149,7 @@ class TreeKVCache:
             self._grow(keys, values, end)
         self.keys[..., start:end, :] = keys
         self.values[..., start:end, :] = values
+        self.block_end = end
         return self.keys[..., :end, :], self.values[..., :end, :]
 
     def _grow(self, keys: mx.array, values: mx.array, needed: int) -> None:
@@ -169,6 +171,17 @@ class TreeKVCache:
         # The gather and scatter below are not bounds-checked: targets must
         # stay inside the buffer that holds the block.
         assert start + path.shape[1] <= self.keys.shape[2], "path longer than the verified block"
+        if (self.layout.lengths == start).all():
+            # Every row ends where the block begins (always so at batch 1):
+            # the root is in place, and the rest is one slice for all rows,
+            # written in place (a scatter into the whole buffer copied it).
+            if path.shape[1] > 1:
+                source = path[:, None, 1:, None]
+                for buffer in (self.keys, self.values):
+                    shape = (*buffer.shape[:2], path.shape[1] - 1, buffer.shape[3])
+                    moved = mx.take_along_axis(buffer[..., start : self.block_end, :], mx.broadcast_to(source, shape), axis=2)
+                    buffer[..., start + 1 : start + path.shape[1], :] = moved
+            return
         source = (start + path)[:, None, :, None]
         target = mx.array(self.layout.lengths, mx.int32)[:, None, None, None]
         target = target + mx.arange(path.shape[1])[None, None, :, None]

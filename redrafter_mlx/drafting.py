@@ -4,9 +4,13 @@ verification cost.
 
 ``Speculator`` owns the per-run state: a lookup index per prompt, the
 on-line acceptance statistics, the machine's cost curve, and whether the
-RNN is worth running at all (its beam search costs time too; when lookup
-alone does better per second it is turned off, and tried again now and
-then).
+RNN is worth running at all: its beam search costs time too, so the tokens
+per second of steps with and without its beams are compared, and when
+lookup alone does better it is turned off, and tried again now and then.
+A mode's rate counts the tokens its steps really produced (the estimates
+that choose the nodes run high: the nodes kept are those whose estimates
+came out highest) over their seconds on the cost curve; until a mode has
+run, its rate is the estimate.
 """
 
 from dataclasses import dataclass
@@ -21,7 +25,8 @@ from .tree import RowTree, beam_drafts, candidate_tree, lookup_drafts, most_like
 
 RNN_RETRY_STEPS = 16  # with the RNN turned off, run it again every this many steps
 EXPLORE_STEPS = 8  # every this many steps, verify one node more than the budget chose
-RATE_MEMORY = 0.8  # weight of the past in the running rates that decide it
+RATE_MEMORY = 0.8  # weight of the past in the running estimated rates
+MEASURED_MEMORY = 0.7  # weight of the past in the running measured tokens and seconds
 
 
 @dataclass
@@ -69,7 +74,9 @@ class Speculator:
         self.stats = AcceptanceStats()
         self.indexes = {}
         self.rnn_on = has_drafter
-        self.rates = {"rnn": None, "lookup": None}  # running tokens/s with and without the RNN
+        self.estimated = {"rnn": None, "lookup": None}  # running estimated tokens/s with and without the RNN
+        self.measured = {"rnn": None, "lookup": None}  # running (tokens, seconds) of the steps of each mode
+        self.pending = None  # (mode, seconds on the cost curve) of the step being verified
         self.steps_off = 0
         self.steps = 0
 
@@ -100,6 +107,7 @@ class Speculator:
         lookups = [lookup_drafts(self.indexes[r].propose(length), estimate) if self.indexes else [] for r in rows]
         rnn = [[] for _ in rows] if beams is None else [beam_drafts(b, c, estimate) for b, c in zip(beams, conditionals)]
         candidates = [candidate_tree(root, a + b) for root, a, b in zip(roots, rnn, lookups)]
+        self.pending = None
         if self.settings.max_nodes is not None:
             return [prune(t, self.settings.max_nodes) for t in candidates]
         gains = [most_likely_nodes(t) for t in candidates]
@@ -110,16 +118,36 @@ class Speculator:
             # Nodes left out are never observed, so their estimates would
             # never recover: now and then one more is tried.
             count += 1
+        mode = "rnn" if beams is not None else "lookup"
+        self.pending = mode, cost(count + 1) + draft_seconds
+        self._estimate(mode, rate)
         if beams is not None and self.indexes:
             lookup_only = [most_likely_nodes(candidate_tree(root, d)) for root, d in zip(roots, lookups)]
-            self._remember("rnn", rate)
-            self._remember("lookup", best_node_count(lookup_only, cost, max(map(len, lookup_only)))[1])
-            self.rnn_on = self.rates["rnn"] >= self.rates["lookup"]
+            self._estimate("lookup", best_node_count(lookup_only, cost, max(map(len, lookup_only)))[1])
         return [prune(t, count) for t in candidates]
 
-    def _remember(self, name: str, rate: float) -> None:
-        past = self.rates[name]
-        self.rates[name] = rate if past is None else RATE_MEMORY * past + (1 - RATE_MEMORY) * rate
+    def _estimate(self, mode: str, rate: float) -> None:
+        past = self.estimated[mode]
+        self.estimated[mode] = rate if past is None else RATE_MEMORY * past + (1 - RATE_MEMORY) * rate
+
+    def rate(self, mode: str) -> Optional[float]:
+        """Tokens per second of the steps verified with (``"rnn"``) or
+        without (``"lookup"``) the RNN's beams: measured once such steps
+        ran, else estimated (None before either)."""
+        if self.measured[mode] is not None:
+            tokens, seconds = self.measured[mode]
+            return tokens / seconds
+        return self.estimated[mode]
 
     def observe(self, trees: list, paths: np.ndarray, num_accepted: np.ndarray) -> None:
+        """After a step: what was accepted (``accept``'s path and counts)."""
         self.stats.observe_step(trees, paths.tolist(), num_accepted.tolist())
+        if self.pending is None:
+            return
+        mode, seconds = self.pending
+        tokens = float(np.sum(num_accepted + 1))
+        past = self.measured[mode]
+        m = MEASURED_MEMORY
+        self.measured[mode] = (tokens, seconds) if past is None else (m * past[0] + (1 - m) * tokens, m * past[1] + (1 - m) * seconds)
+        if self.has_drafter and self.indexes and None not in (self.rate("rnn"), self.rate("lookup")):
+            self.rnn_on = self.rate("rnn") >= self.rate("lookup")

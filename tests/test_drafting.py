@@ -39,22 +39,47 @@ def test_fixed_budget_keeps_the_most_likely_nodes():
     assert tree.tokens == [2, 7, 1]  # the two depth-1 nodes beat the deeper ones
 
 
+def run_steps(speculator, root, beams, probs, cost, accepted, steps=20):
+    """Steps whose trees all accept ``accepted`` drafted tokens (the first
+    nodes after the root, whatever they hold)."""
+    for _ in range(steps):
+        with_rnn = speculator.use_rnn()
+        trees = speculator.trees([0], [root], *((beams, probs) if with_rnn else (None, None)), cost=cost)
+        n = min(accepted, trees[0].num_nodes - 1)
+        speculator.observe(trees, np.arange(n + 1)[None], np.array([n]))
+
+
 def test_the_rnn_is_turned_off_when_its_search_costs_more_than_it_brings_and_retried():
     flat = CostCurve([1, 32], [1.0, 1.0], draft_seconds=5.0)
     context = [3, 4, 3, 4, 3]
     speculator = tracking(DraftSettings(beam_width=1, beam_length=3), True, [context])
     beams, probs = beams_for(3, [[9, 9]], 0.9)
-    for _ in range(20):
-        speculator.trees([0], [3], beams, probs, cost=flat)
+    run_steps(speculator, 3, beams, probs, flat, accepted=2)
     assert not speculator.rnn_on
     runs = [speculator.use_rnn() for _ in range(32)]
     assert 1 <= sum(runs) <= 3  # retried now and then
 
     cheap = CostCurve([1, 32], [1.0, 1.0], draft_seconds=0.0)
     speculator = tracking(DraftSettings(beam_width=1, beam_length=3), True, [[1, 2]])
-    for _ in range(20):
-        speculator.trees([0], [2], beams, probs, cost=cheap)
+    run_steps(speculator, 2, beams, probs, cheap, accepted=2)
     assert speculator.rnn_on and speculator.use_rnn()
+
+
+def test_the_rnn_is_turned_off_when_its_drafts_are_accepted_less_than_estimated():
+    """The drafter claims 0.9 per token and the search is nearly free, so
+    the estimates favour it; but nothing it drafts is accepted, while the
+    lookup's drafts are: the measured rates turn it off."""
+    cost = CostCurve([1, 32], [1.0, 1.0], draft_seconds=0.1)
+    context = [3, 4, 3, 4, 3]
+    speculator = tracking(DraftSettings(beam_width=1, beam_length=3), True, [context])
+    beams, probs = beams_for(3, [[9, 9]], 0.9)
+    for _ in range(20):
+        with_rnn = speculator.use_rnn()
+        (tree,) = speculator.trees([0], [3], *((beams, probs) if with_rnn else (None, None)), cost=cost)
+        accepted = [i for i, t in enumerate(tree.tokens) if i and t == 4][:1]  # the lookup's 4, never the RNN's 9
+        speculator.observe([tree], np.array([[0] + accepted]), np.array([len(accepted)]))
+    assert not speculator.rnn_on
+    assert speculator.rate("lookup") > speculator.rate("rnn")
 
 
 def test_without_a_drafter_only_lookup_drafts():
