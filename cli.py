@@ -228,7 +228,6 @@ def bench(
 ):
     """Measure autoregressive decoding against ReDrafter on the same prompts."""
     from tqdm import tqdm
-    from mlx_lm.sample_utils import make_sampler
 
     from redrafter_mlx.api import encode_prompt
     from redrafter_mlx.bench import DEFAULT_PROMPTS, environment, format_curve, format_table, parse_configs, plot_speedups, report, run_benchmark
@@ -254,19 +253,19 @@ def bench(
     env = environment(str(redrafter.base.dtype).replace("mlx.core.", ""))
     typer.echo(f"device {env['device']}, BLAS {env['blas']}, dtype {env['dtype']}, mlx {env['mlx']}, mlx-lm {env['mlx_lm']}")
     default = DraftSettings()
-    curve = cost_curve(redrafter, min(batch_size, len(prompts)), (default.beam_width, default.beam_length), refresh=calibrate)
+    shape = default.search_shape(redrafter.drafter) if redrafter.drafter else None
+    curve = cost_curve(redrafter, min(batch_size, len(prompts)), shape, refresh=calibrate)
     typer.echo(format_curve(curve))
     batches = -(-len(prompts) // batch_size)
     with tqdm(total=repeats * batches * len(chosen), unit="run", desc="bench", file=sys.stderr) as bar:
         results = run_benchmark(
             redrafter, prompts, chosen, max_tokens=max_tokens, batch_size=batch_size, repeats=repeats,
-            choose=choose, sampler=make_sampler(temp=temp, top_p=top_p if top_p < 1 else 0.0), greedy=temp == 0,
-            eos=list(tokenizer.eos_token_ids), progress=bar.update,
+            choose=choose, eos=list(tokenizer.eos_token_ids), progress=bar.update,
         )
     typer.echo(format_table(results))
     mismatched = [r.name for r in results if r.mismatches]
     if mismatched:
-        typer.echo(f"WARNING: greedy ReDrafter output differs from autoregressive output for {', '.join(mismatched)}", err=True)
+        typer.echo(f"WARNING: ReDrafter output differs from autoregressive output for {', '.join(mismatched)}", err=True)
     settings = dict(model=model or "default", drafter=drafter or "default", drafter_sha256=redrafter.drafter_identity or None,
                     model_identity=redrafter.identity, prompts=prompts_file or "built-in", every=every, num_prompts=len(prompts),
                     max_tokens=max_tokens, temp=temp, top_p=top_p, seed=seed, batch_size=batch_size, repeats=repeats)

@@ -53,6 +53,7 @@ def main():
     parser.add_argument("--shapes", default="1x5,2x5,4x5,8x5")
     parser.add_argument("--all", action="store_true", help="Replay every sequence, not only held-out ones.")
     parser.add_argument("--lookup", action="store_true", help="Also replay each shape with one context-lookup continuation in the tree.")
+    parser.add_argument("--later-rows", default="", help="Also replay each shape with the drafted tokens after the first taken from this many most frequent draft-vocabulary rows (comma-separated sizes).")
     args = parser.parse_args()
 
     folder = DataFolder(args.data)
@@ -86,6 +87,11 @@ def main():
             lookup = positions.lookup_depth[rows]
             result[f"lookup_{length - 1}_drafted"] = round(tokens_per_step(with_lookup(np.zeros_like(accepted), lookup, length), counts[keep]), 3)
             result[f"{width}x{length}+lookup"] = round(tokens_per_step(with_lookup(accepted, lookup, length), counts[keep]), 3)
+        for rows_kept in [int(r) for r in args.later_rows.split(",") if r]:
+            shortlisted = accepted_lengths(drafter, base.embed, row_hidden, windows[:, :length], width, later_rows=rows_kept)
+            result[f"{width}x{length}_later{rows_kept}"] = round(tokens_per_step(shortlisted, counts[keep]), 3)
+            if args.lookup:
+                result[f"{width}x{length}_later{rows_kept}+lookup"] = round(tokens_per_step(with_lookup(shortlisted, lookup, length), counts[keep]), 3)
         print(json.dumps(result), flush=True)
 
 

@@ -4,7 +4,7 @@ All beams of all rows advance together; nothing here reads a value back to
 the host, so a whole search is one lazy graph.
 """
 
-from typing import Callable
+from typing import Callable, Optional
 
 import mlx.core as mx
 
@@ -26,6 +26,7 @@ def beam_search(
     first_tokens: mx.array,
     beam_width: int,
     beam_length: int,
+    later_rows: Optional[int] = None,
 ) -> tuple[mx.array, mx.array]:
     """Draft ``beam_width`` continuations of ``beam_length - 1`` tokens.
 
@@ -37,6 +38,11 @@ def beam_search(
         first_tokens: (batch,), the token the base model chose after it; it
             becomes column 0 of every beam.
         beam_width, beam_length: beam shape; beam_length >= 2.
+        later_rows: the drafted tokens after the first come from the first
+            ``later_rows`` entries of the draft vocabulary only (its most
+            frequent tokens, the order ``train`` gives a reduced one), which
+            cuts the vocabulary projection that bounds the search; None
+            scores all.
 
     Returns:
         beams: (batch, beam_width, beam_length) int32 token ids, best beam first.
@@ -60,7 +66,7 @@ def beam_search(
 
     for _ in range(beam_length - 2):
         state = drafter.update_state(embed(beams[..., -1]), state)  # (B, W, D)
-        logprobs = drafter.log_probs(hidden, state)  # (B, W, V)
+        logprobs = drafter.log_probs(hidden, state, later_rows)  # (B, W, V or later_rows)
         vocab = logprobs.shape[-1]
         candidates = (scores[..., None] + logprobs).reshape(batch, -1)  # (B, W*V)
         best = _top_k(candidates, width)  # (B, W)

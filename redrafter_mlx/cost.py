@@ -65,7 +65,8 @@ def measure(redrafter, batch_size: int, beam_shape: Optional[tuple] = None, repe
     """Time tree passes of every size in ``sizes`` (a chain tree: per-token
     positions and a tree mask, as verification runs; with ``tree`` False, a
     plain causal chunk of as many tokens instead) after CONTEXT committed
-    tokens, and one beam search of ``beam_shape`` when there is a drafter."""
+    tokens, and one beam search of ``beam_shape`` (``beam_search``'s
+    beam_width, beam_length and later_rows) when there is a drafter."""
     from .beam_search import beam_search
     from .generate import prefill
 
@@ -137,7 +138,7 @@ def cost_curve(redrafter, batch_size: int, beam_shape: Optional[tuple] = None, r
     key = f"{machine_key()}|model {redrafter.identity}|{base.dtype}|batch {batch_size}"
     draft_key = None
     if beam_shape and redrafter.drafter is not None:
-        draft_key = f"{key}|drafter {redrafter.drafter_identity}|beams {beam_shape[0]}x{beam_shape[1]}"
+        draft_key = f"{key}|drafter {redrafter.drafter_identity}|beams {'x'.join(map(str, beam_shape))}"
     path = cache_path()
     data = _read_cache(path)
     curve = draft = None

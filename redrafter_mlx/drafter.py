@@ -13,7 +13,10 @@ Checkpoint format (the reference PyTorch trainer's, loaded as it is):
 Extension (this project): a reduced draft vocabulary. ``config.json`` then has
 ``draft_vocab_size`` and the safetensors file holds ``draft_token_ids``
 (draft_vocab_size,), the base-model token id of each row of the vocab
-projection; tokens outside it are never drafted.
+projection; tokens outside it are never drafted. ``"sorted_draft_vocab":
+true`` says the rows run from the most frequent token down (``train`` makes
+them so); the beam search may then draft the tokens after the first from
+the first rows only (``DraftSettings.later_vocab``).
 """
 
 import json
@@ -39,6 +42,7 @@ class DrafterArgs:
     num_draft_layers: int = 1
     rnn: bool = True
     draft_vocab_size: Optional[int] = None
+    sorted_draft_vocab: bool = False
 
     @classmethod
     def from_dict(cls, config: dict) -> "DrafterArgs":
@@ -101,15 +105,20 @@ class Drafter(nn.Module):
             x = layer(x)
         return x
 
-    def draft_logits(self, hidden: mx.array, state: mx.array) -> mx.array:
+    def draft_logits(self, hidden: mx.array, state: mx.array, rows: Optional[int] = None) -> mx.array:
         """Logits over the draft vocabulary. ``hidden``, ``state``:
-        (..., hidden_size) -> (..., draft_vocab_size or vocab_size)."""
-        return self.lm_head[-1](self.features(hidden, state))
+        (..., hidden_size) -> (..., draft_vocab_size or vocab_size), or over
+        its first ``rows`` entries only: (..., rows)."""
+        projection = self.lm_head[-1]
+        if rows is None or rows >= self.draft_vocab_size:
+            return projection(self.features(hidden, state))
+        return self.features(hidden, state) @ projection.weight[:rows].T
 
-    def log_probs(self, hidden: mx.array, state: mx.array) -> mx.array:
+    def log_probs(self, hidden: mx.array, state: mx.array, rows: Optional[int] = None) -> mx.array:
         """Log-probabilities over the draft vocabulary, (..., draft_vocab), in
-        float32. Map indices to token ids with ``token_ids``."""
-        logits = self.draft_logits(hidden, state).astype(mx.float32)
+        float32, or over its first ``rows`` entries, normalised over them.
+        Map indices to token ids with ``token_ids``."""
+        logits = self.draft_logits(hidden, state, rows).astype(mx.float32)
         return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
     def token_ids(self, draft_indices: mx.array) -> mx.array:
@@ -181,6 +190,8 @@ def save_drafter(drafter: Drafter, path: str, extra_config: Optional[dict] = Non
     folder = Path(path)
     folder.mkdir(parents=True, exist_ok=True)
     config = {k: v for k, v in asdict(drafter.args).items() if v is not None}
+    if not config["sorted_draft_vocab"]:
+        del config["sorted_draft_vocab"]  # the official layout has no such key
     config.update(extra_config or {})
     mx.save_safetensors(str(folder / WEIGHTS_FILE), dict(tree_flatten(drafter.parameters())))
     (folder / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")

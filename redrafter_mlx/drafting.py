@@ -24,6 +24,7 @@ from .lookup import LookupIndex
 from .tree import RowTree, beam_drafts, candidate_tree, lookup_drafts, most_likely_nodes, prune
 
 RNN_RETRY_STEPS = 16  # with the RNN turned off, run it again every this many steps
+LATER_VOCAB = 2048  # default later_vocab: see bench/results/issue14.md
 EXPLORE_STEPS = 8  # every this many steps, verify one node more than the budget chose
 RATE_MEMORY = 0.8  # weight of the past in the running estimated rates
 MEASURED_MEMORY = 0.7  # weight of the past in the running measured tokens and seconds
@@ -36,7 +37,9 @@ class DraftSettings:
     max_nodes: drafted nodes verified per step; None chooses it each step
     from the cost curve. lookup: propose context-lookup continuations;
     lookup_max_ngram: longest suffix matched; lookup_beams: continuations
-    proposed per step."""
+    proposed per step. later_vocab: the RNN drafts its tokens after the
+    first from this many most frequent rows of its draft vocabulary (only a
+    drafter whose rows are sorted so; None: all rows)."""
 
     beam_width: int = 4
     beam_length: int = 5
@@ -44,11 +47,12 @@ class DraftSettings:
     lookup: bool = True
     lookup_max_ngram: int = 3
     lookup_beams: int = 1
+    later_vocab: Optional[int] = LATER_VOCAB
 
     @classmethod
     def rnn_only(cls, beam_width: int, beam_length: int) -> "DraftSettings":
         """The RNN's beams alone, every node verified (the paper's method)."""
-        return cls(beam_width, beam_length, max_nodes=beam_width * (beam_length - 1), lookup=False)
+        return cls(beam_width, beam_length, max_nodes=beam_width * (beam_length - 1), lookup=False, later_vocab=None)
 
     def check(self) -> None:
         if self.beam_width < 1:
@@ -61,6 +65,13 @@ class DraftSettings:
             raise UserError(f"lookup max n-gram must be at least 1, got {self.lookup_max_ngram}")
         if self.lookup_beams < 1:
             raise UserError(f"lookup beams must be at least 1, got {self.lookup_beams}")
+        if self.later_vocab is not None and self.later_vocab < 1:
+            raise UserError(f"later draft vocabulary must be at least 1 row, got {self.later_vocab}")
+
+    def search_shape(self, drafter) -> tuple:
+        """``beam_search``'s (beam_width, beam_length, later_rows) for this drafter."""
+        later = self.later_vocab if drafter.args.sorted_draft_vocab else None
+        return self.beam_width, self.beam_length, later
 
 
 class Speculator:

@@ -292,7 +292,7 @@ class Decoder:
 
     def _search(self, hidden: mx.array, first_tokens: mx.array):
         """The RNN's beams and their probabilities (lazy), when it runs."""
-        shape = (self.draft.beam_width, self.draft.beam_length)
+        shape = self.draft.search_shape(self.redrafter.drafter)
         beams, logprobs = beam_search(self.redrafter.drafter, self.redrafter.base.embed, hidden, first_tokens, *shape)
         return beams, mx.exp(logprobs)
 
@@ -302,7 +302,7 @@ class Decoder:
             return None
         size = next((b for b in self.cost_batch_sizes if b >= batch_size), self.cost_batch_sizes[-1])
         if size not in self.costs:
-            shape = (self.draft.beam_width, self.draft.beam_length) if self.redrafter.drafter else None
+            shape = self.draft.search_shape(self.redrafter.drafter) if self.redrafter.drafter else None
             self.costs[size] = cost_curve(self.redrafter, size, shape)
         return self.costs[size]
 

@@ -19,12 +19,15 @@ import numpy as np
 from .beam_search import beam_search
 
 
-def accepted_lengths(drafter, embed, hidden: np.ndarray, windows: np.ndarray, width: int, batch_size: int = 2048) -> np.ndarray:
+def accepted_lengths(
+    drafter, embed, hidden: np.ndarray, windows: np.ndarray, width: int, batch_size: int = 2048, later_rows: Optional[int] = None
+) -> np.ndarray:
     """Drafts accepted at each position.
 
     hidden: (R, hidden_size) h[t]; windows: (R, length) x[t+1] .. x[t+length],
     -1 past the end of the sequence. x[t+1] is the token the base model has
-    just chosen; beams of ``width`` x ``length`` start from it. Returns (R,)
+    just chosen; beams of ``width`` x ``length`` start from it (``later_rows``
+    as ``beam_search`` takes it). Returns (R,)
     the longest match of a beam's drafts with x[t+2] ...
     """
     length = windows.shape[1]
@@ -32,7 +35,7 @@ def accepted_lengths(drafter, embed, hidden: np.ndarray, windows: np.ndarray, wi
     for start in range(0, len(windows), batch_size):
         h = mx.array(hidden[start : start + batch_size].astype(np.float32))
         window = mx.array(windows[start : start + batch_size])
-        beams, _ = beam_search(drafter, embed, h, window[:, 0], width, length)  # (R, width, length)
+        beams, _ = beam_search(drafter, embed, h, window[:, 0], width, length, later_rows)  # (R, width, length)
         matches = beams[:, :, 1:] == window[:, None, 1:]
         prefix = mx.cumprod(matches.astype(mx.int32), axis=-1).sum(-1)
         out.append(np.array(prefix.max(-1)))

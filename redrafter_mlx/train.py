@@ -349,6 +349,7 @@ class Trainer:
             num_draft_layers=config.num_draft_layers,
             rnn=config.rnn,
             draft_vocab_size=len(draft_token_ids) if draft_token_ids is not None else None,
+            sorted_draft_vocab=draft_token_ids is not None,  # build_draft_vocab: most frequent first
         )
         if (config.warm_start or config.hidden_loss > 0) and config.exit_dim != base.hidden_size:
             raise UserError(f"--warm-start and --hidden-loss need --exit-dim equal to the base model's hidden size {base.hidden_size}")

@@ -54,3 +54,26 @@ def test_column_zero_is_the_given_token_and_drafts_come_from_the_draft_vocabular
     # Beams are distinct sequences.
     for row in np.array(beams):
         assert len({tuple(b) for b in row}) == 4
+
+
+def test_later_rows_draft_the_tokens_after_the_first_from_the_first_rows_only():
+    """With later_rows R, the second and later drafted tokens are among the
+    first R draft-vocabulary rows, scored as a drafter whose vocabulary ends
+    there would score them; the first token may be any row."""
+    drafter = tiny_drafter(seed=6, draft_vocab=40)
+    table = mx.random.normal((256, HIDDEN))
+    embed = lambda t: table[t]
+    hidden, first = mx.random.normal((3, HIDDEN)), mx.array([1, 2, 3])
+    ids = np.array(drafter.draft_token_ids).tolist()
+    beams, logprobs = beam_search(drafter, embed, hidden, first, 4, 4, later_rows=5)
+    assert set(np.array(beams[:, :, 2:]).ravel().tolist()) <= set(ids[:5])
+    full, _ = beam_search(drafter, embed, hidden, first, 4, 4)
+    assert not set(np.array(full[:, :, 2:]).ravel().tolist()) <= set(ids[:5])  # the restriction changed something
+    # The depth-2 log-probabilities are normalised over the 5 rows.
+    state = drafter.update_state(embed(beams[:, :, 1]), drafter.update_state(embed(first)[:, None], None))
+    logits = drafter.draft_logits(mx.broadcast_to(hidden[:, None], state.shape), state)[..., :5]
+    expected = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    index = mx.array([[ids.index(t) for t in row] for row in np.array(beams[:, :, 2]).tolist()])
+    assert np.allclose(np.array(logprobs[:, :, 1]), np.array(mx.take_along_axis(expected, index[..., None], -1)[..., 0]), atol=1e-5)
+    same, _ = beam_search(drafter, embed, hidden, first, 4, 4, later_rows=40)
+    assert same.tolist() == full.tolist()

@@ -83,6 +83,11 @@ def test_save_and_load_round_trip_with_reduced_vocabulary(tmp_path):
     h, s = mx.random.normal((3, 64)), mx.random.normal((3, 64))
     assert mx.allclose(loaded.log_probs(h, s), drafter.log_probs(h, s))
     assert (loaded.draft_token_ids == drafter.draft_token_ids).all()
+    config = json.loads((tmp_path / "d" / "config.json").read_text())
+    assert "sorted_draft_vocab" not in config  # the official layout's keys only, unless set
+    drafter.args.sorted_draft_vocab = True
+    save_drafter(drafter, str(tmp_path / "sorted"))
+    assert load_drafter(str(tmp_path / "sorted")).args.sorted_draft_vocab
 
 
 def test_mismatched_drafter_is_refused_naming_both_numbers():

@@ -3,6 +3,7 @@ the RNN turned off where it does not pay."""
 
 import numpy as np
 import pytest
+from conftest import tiny_drafter
 
 from redrafter_mlx.cost import CostCurve
 from redrafter_mlx.drafting import DraftSettings, Speculator
@@ -89,6 +90,14 @@ def test_without_a_drafter_only_lookup_drafts():
     assert tree.tokens == [2, 3, 1, 2]
 
 
+def test_later_vocab_applies_only_to_a_sorted_draft_vocabulary():
+    drafter = tiny_drafter(draft_vocab=32)
+    settings = DraftSettings(beam_width=3, beam_length=4, later_vocab=8)
+    assert settings.search_shape(drafter) == (3, 4, None)  # rows in no known order: all are searched
+    drafter.args.sorted_draft_vocab = True
+    assert settings.search_shape(drafter) == (3, 4, 8)
+
+
 @pytest.mark.parametrize(
     "settings, message",
     [
@@ -96,6 +105,7 @@ def test_without_a_drafter_only_lookup_drafts():
         (dict(lookup_max_ngram=0), "lookup max n-gram"),
         (dict(lookup_beams=0), "lookup beams"),
         (dict(beam_width=0), "beam width"),
+        (dict(later_vocab=0), "later draft vocabulary"),
     ],
 )
 def test_bad_settings(settings, message):

@@ -10,7 +10,7 @@ from mlx_lm.generate import generate_step
 
 from redrafter_mlx.base_model import BaseModel
 from redrafter_mlx.errors import UserError
-from redrafter_mlx.generate import ReDrafter, generate_steps
+from redrafter_mlx.generate import Decoder, ReDrafter, generate_steps
 
 NUM_TOKENS = 64
 SHAPES = [(1, 2), (4, 4), (8, 5)]
@@ -54,6 +54,23 @@ def test_greedy_parity_random_drafters(base_and_reference, shape):
         redrafter = ReDrafter(base, tiny_drafter(seed=i, **drafter_kwargs))
         (tokens,), _ = run(redrafter, [prompt], max_tokens=NUM_TOKENS, beam_width=shape[0], beam_length=shape[1])
         assert tokens == reference[:NUM_TOKENS], drafter_kwargs
+
+
+def test_greedy_parity_with_later_tokens_from_a_short_vocabulary(base_and_reference):
+    """A sorted draft vocabulary searched with later_vocab: the beams
+    change, the output does not."""
+    base, prompt, reference = base_and_reference
+    drafter = tiny_drafter(seed=7, draft_vocab=48)
+    drafter.args.sorted_draft_vocab = True
+    redrafter = ReDrafter(base, drafter)
+    searched = []
+    search = Decoder._search
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Decoder, "_search", lambda self, h, t: searched.append(search(self, h, t)) or searched[-1])
+        (tokens,), _ = run(redrafter, [prompt], max_tokens=NUM_TOKENS, beam_width=3, beam_length=4, later_vocab=6)
+    assert tokens == reference[:NUM_TOKENS]
+    short = set(np.array(drafter.draft_token_ids[:6]).tolist())
+    assert all(set(np.array(beams[:, :, 2:]).ravel().tolist()) <= short for beams, _ in searched)
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
