@@ -1,7 +1,9 @@
 """What the RNN's beam search costs per step, and what could make it cheaper:
 the search eager and under ``mx.compile``, and the drafter's vocabulary
 projection as a float32, float16, 8-bit and 4-bit matmul for the row counts
-the search uses. Medians of --repeats runs, alternating the variants.
+the search uses, and the search with its later tokens drafted from the
+first --later-rows rows of the draft vocabulary (``DraftSettings.later_vocab``).
+Medians of --repeats runs, alternating the variants.
 
     python3 bench/drafting_cost.py --json bench/results/drafting-cost.json
 """
@@ -36,6 +38,7 @@ def main() -> None:
     parser.add_argument("--drafter")
     parser.add_argument("--batch-sizes", default="1,8")
     parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--later-rows", default="4096,2048,1024", help="Row counts to time the search with (comma-separated).")
     parser.add_argument("--json")
     args = parser.parse_args()
     redrafter, _ = load(args.model, args.drafter)
@@ -48,13 +51,20 @@ def main() -> None:
         compiled = mx.compile(lambda h, f: beam_search(drafter, embed, h, f, width, length))
         eager = beam_search(drafter, embed, hidden, first, width, length)
         same = bool(mx.array_equal(eager[0], compiled(hidden, first)[0]))
-        times = {"eager": [], "compiled": []}
+        later = [int(r) for r in args.later_rows.split(",") if r]
+        searches = {"eager": lambda: beam_search(drafter, embed, hidden, first, width, length), "compiled": lambda: compiled(hidden, first)}
+        for rows in later:
+            searches[f"later{rows}"] = lambda rows=rows: beam_search(drafter, embed, hidden, first, width, length, rows)
+        times = {name: [] for name in searches}
         for _ in range(3):
-            times["eager"].append(timed(lambda: beam_search(drafter, embed, hidden, first, width, length), args.repeats))
-            times["compiled"].append(timed(lambda: compiled(hidden, first), args.repeats))
-        row = {"batch": batch, "eager_ms": 1000 * statistics.median(times["eager"]), "compiled_ms": 1000 * statistics.median(times["compiled"]), "same_beams": same}
+            for name, search in searches.items():
+                times[name].append(timed(search, args.repeats))
+        row = {"batch": batch, **{f"{name}_ms": 1000 * statistics.median(t) for name, t in times.items()}, "same_beams": same}
         report["search"].append(row)
-        print(f"beam search {width}x{length}, batch {batch}: eager {row['eager_ms']:.2f} ms, mx.compile {row['compiled_ms']:.2f} ms (same beams: {same})")
+        print(
+            f"beam search {width}x{length}, batch {batch}: eager {row['eager_ms']:.2f} ms, mx.compile {row['compiled_ms']:.2f} ms (same beams: {same}); "
+            + ", ".join(f"later tokens from {rows} rows {row[f'later{rows}_ms']:.2f} ms" for rows in later)
+        )
 
     projection = drafter.lm_head[-1]
     rows_out, features = projection.weight.shape

@@ -5,7 +5,6 @@ import os
 import re
 import shutil
 import uuid
-from dataclasses import asdict
 from pathlib import Path
 from typing import Optional
 
@@ -93,7 +92,7 @@ def convert_checkpoint(
         check_compatible(args, base.hidden_size, base.vocab_size)
 
     weights = _convert(args, tensors, source_of, dtype, quantize_bits)
-    out_config = {k: v for k, v in asdict(args).items() if v is not None}
+    out_config = args.to_config()
     if quantize_bits is not None:
         out_config["quantization"] = {"group_size": GROUP_SIZE, "bits": quantize_bits}
     _check_loads(out_config, weights)

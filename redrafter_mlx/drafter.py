@@ -52,6 +52,14 @@ class DrafterArgs:
             raise UserError(f"drafter config.json lacks {', '.join(missing)}")
         return cls(**{k: v for k, v in config.items() if k in names})
 
+    def to_config(self) -> dict:
+        """The ``config.json`` fields: the official layout's, plus the
+        extension's where they are in use."""
+        config = {k: v for k, v in asdict(self).items() if v is not None}
+        if not config["sorted_draft_vocab"]:
+            del config["sorted_draft_vocab"]
+        return config
+
 
 class ResBlock(nn.Module):
     """``x + silu(W x + b)``."""
@@ -82,6 +90,11 @@ class Drafter(nn.Module):
     @property
     def draft_vocab_size(self) -> int:
         return self.args.draft_vocab_size or self.args.vocab_size
+
+    @property
+    def sorted_draft_vocab(self) -> bool:
+        """Whether the draft vocabulary's rows run from the most frequent token down."""
+        return bool(self.args.draft_vocab_size) and self.args.sorted_draft_vocab
 
     def update_state(self, token_embeddings: mx.array, state: Optional[mx.array]) -> mx.array:
         """One RNN step. ``token_embeddings`` and ``state``: (..., hidden_size);
@@ -189,9 +202,7 @@ def save_drafter(drafter: Drafter, path: str, extra_config: Optional[dict] = Non
     """Write the drafter in the official layout (plus the reduced-vocab extension)."""
     folder = Path(path)
     folder.mkdir(parents=True, exist_ok=True)
-    config = {k: v for k, v in asdict(drafter.args).items() if v is not None}
-    if not config["sorted_draft_vocab"]:
-        del config["sorted_draft_vocab"]  # the official layout has no such key
+    config = drafter.args.to_config()
     config.update(extra_config or {})
     mx.save_safetensors(str(folder / WEIGHTS_FILE), dict(tree_flatten(drafter.parameters())))
     (folder / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
