@@ -66,7 +66,10 @@ def beam_search(
 
     for _ in range(beam_length - 2):
         state = drafter.update_state(embed(beams[..., -1]), state)  # (B, W, D)
-        logprobs = drafter.log_probs(hidden, state, later_rows)  # (B, W, V or later_rows)
+        if later_rows is None:
+            logprobs = drafter.log_probs(hidden, state)  # (B, W, V)
+        else:
+            logprobs = drafter.log_probs(hidden, state, later_rows)  # (B, W, later_rows)
         vocab = logprobs.shape[-1]
         candidates = (scores[..., None] + logprobs).reshape(batch, -1)  # (B, W*V)
         best = _top_k(candidates, width)  # (B, W)

@@ -70,7 +70,7 @@ class DraftSettings:
 
     def search_shape(self, drafter) -> tuple:
         """``beam_search``'s (beam_width, beam_length, later_rows) for this drafter."""
-        later = self.later_vocab if drafter.sorted_draft_vocab else None
+        later = self.later_vocab if getattr(drafter, "sorted_draft_vocab", False) else None
         return self.beam_width, self.beam_length, later
 
 

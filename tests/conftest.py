@@ -121,14 +121,12 @@ class OracleDrafter:
         self.corrupt = corrupt
         self.wrong_depth = mx.random.randint(1, corrupt + 1, (len(flat),), key=mx.random.key(7)) if corrupt else None
         self.draft_vocab_size = base.vocab_size
-        self.sorted_draft_vocab = False  # token ids in id order: later_vocab does not apply
 
     def update_state(self, token_embeddings, state):
         depth = mx.zeros(token_embeddings.shape[:-1] + (1,)) if state is None else state
         return depth + 1
 
-    def log_probs(self, hidden, state, rows=None):
-        assert rows is None, "the oracle scores its whole vocabulary"
+    def log_probs(self, hidden, state):
         distance = ((hidden[..., None, :] - self.hidden) ** 2).sum(-1)  # (..., T)
         position = mx.argmin(distance, axis=-1)
         depth = state[..., 0].astype(mx.int32)
