@@ -9,8 +9,8 @@ per second of steps with and without its beams are compared, and when
 lookup alone does better it is turned off, and tried again now and then.
 A mode's rate counts the tokens its steps really produced (the estimates
 that choose the nodes run high: the nodes kept are those whose estimates
-came out highest) over their seconds on the cost curve; until a mode has
-run, its rate is the estimate.
+came out highest) over their seconds on the cost curve; until lookup-only
+steps have run, their rate is the estimate.
 """
 
 from dataclasses import dataclass
@@ -26,7 +26,7 @@ from .tree import RowTree, beam_drafts, candidate_tree, lookup_drafts, most_like
 RNN_RETRY_STEPS = 16  # with the RNN turned off, run it again every this many steps
 LATER_VOCAB = 2048  # default later_vocab: see bench/results/issue14.md
 EXPLORE_STEPS = 8  # every this many steps, verify one node more than the budget chose
-RATE_MEMORY = 0.8  # weight of the past in the running estimated rates
+RATE_MEMORY = 0.8  # weight of the past in the running estimate of lookup alone
 MEASURED_MEMORY = 0.7  # weight of the past in the running measured tokens and seconds
 
 
@@ -85,7 +85,7 @@ class Speculator:
         self.stats = AcceptanceStats()
         self.indexes = {}
         self.rnn_on = has_drafter
-        self.estimated = {"rnn": None, "lookup": None}  # running estimated tokens/s with and without the RNN
+        self.lookup_estimate = None  # running estimated tokens/s without the RNN, before such steps ran
         self.measured = {"rnn": None, "lookup": None}  # running (tokens, seconds) of the steps of each mode
         self.pending = None  # (mode, seconds on the cost curve) of the step being verified
         self.steps_off = 0
@@ -123,7 +123,7 @@ class Speculator:
             return [prune(t, self.settings.max_nodes) for t in candidates]
         gains = [most_likely_nodes(t) for t in candidates]
         draft_seconds = cost.draft_seconds if beams is not None else 0.0
-        count, rate = best_node_count(gains, cost, max(map(len, gains)), draft_seconds)
+        count, _ = best_node_count(gains, cost, max(map(len, gains)), draft_seconds)
         self.steps += 1
         if self.steps % EXPLORE_STEPS == 0:
             # Nodes left out are never observed, so their estimates would
@@ -131,24 +131,22 @@ class Speculator:
             count += 1
         mode = "rnn" if beams is not None else "lookup"
         self.pending = mode, cost(count + 1) + draft_seconds
-        self._estimate(mode, rate)
-        if beams is not None and self.indexes:
+        if beams is not None and self.indexes and self.measured["lookup"] is None:
             lookup_only = [most_likely_nodes(candidate_tree(root, d)) for root, d in zip(roots, lookups)]
-            self._estimate("lookup", best_node_count(lookup_only, cost, max(map(len, lookup_only)))[1])
+            rate = best_node_count(lookup_only, cost, max(map(len, lookup_only)))[1]
+            past = self.lookup_estimate
+            self.lookup_estimate = rate if past is None else RATE_MEMORY * past + (1 - RATE_MEMORY) * rate
         return [prune(t, count) for t in candidates]
-
-    def _estimate(self, mode: str, rate: float) -> None:
-        past = self.estimated[mode]
-        self.estimated[mode] = rate if past is None else RATE_MEMORY * past + (1 - RATE_MEMORY) * rate
 
     def rate(self, mode: str) -> Optional[float]:
         """Tokens per second of the steps verified with (``"rnn"``) or
         without (``"lookup"``) the RNN's beams: measured once such steps
-        ran, else estimated (None before either)."""
+        ran; before lookup-only steps ran, their rate is estimated from the
+        RNN's steps (the RNN runs first, so it is always measured first)."""
         if self.measured[mode] is not None:
             tokens, seconds = self.measured[mode]
             return tokens / seconds
-        return self.estimated[mode]
+        return self.lookup_estimate if mode == "lookup" else None
 
     def observe(self, trees: list, paths: np.ndarray, num_accepted: np.ndarray) -> None:
         """After a step: what was accepted (``accept``'s path and counts)."""
