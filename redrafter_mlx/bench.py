@@ -158,9 +158,8 @@ def baseline_run(redrafter: ReDrafter, prompts: list, max_tokens: int, choose: C
 def redrafter_run(redrafter, prompts, max_tokens, choose, eos, config: Config, timing=None) -> Run:
     mx.reset_peak_memory()
     outputs, steps, step_tokens, step_nodes = [[] for _ in prompts], 0, 0, 0
-    used = redrafter if config.name != "lookup" else ReDrafter(redrafter.base, None, redrafter.identity)
     tic = time.perf_counter()
-    for step in generate_steps(used, prompts, max_tokens=max_tokens, draft=config.draft, choose=choose, eos_token_ids=eos, timing=timing):
+    for step in generate_steps(redrafter, prompts, max_tokens=max_tokens, draft=config.draft, choose=choose, eos_token_ids=eos, timing=timing):
         for out in step:
             outputs[out.row] += out.tokens
             if out.num_accepted is not None:
@@ -189,20 +188,27 @@ def run_benchmark(
     alternating. One extra profiled run per configuration (on the first
     batch) splits the time into host work, drafting, verification and
     acceptance (its syncs would distort the timed runs, so it is not one of
-    them).
+    them). A configuration's runs share one acceptance history, as the
+    requests of a running chat or server do.
     """
     batches = [prompts[i : i + batch_size] for i in range(0, len(prompts), batch_size)]
     results = [ConfigResult(c.name) for c in configs]
+    # Each configuration has its own acceptance history (lookup: no drafter).
+    used = {
+        c.name: ReDrafter(redrafter.base, None if c.name == "lookup" else redrafter.drafter, redrafter.identity,
+                          "" if c.name == "lookup" else redrafter.drafter_identity)
+        for c in configs
+    }
     # Warm-up: compile kernels and fill allocator caches for every path.
     baseline_run(redrafter, batches[0], 8, choose, eos)
     for c, r in zip(configs, results):
-        redrafter_run(redrafter, batches[0], 8, choose, eos, c)
-        redrafter_run(redrafter, batches[0], max_tokens, choose, eos, c, timing=r.timing)
+        redrafter_run(used[c.name], batches[0], 8, choose, eos, c)
+        redrafter_run(used[c.name], batches[0], max_tokens, choose, eos, c, timing=r.timing)
     for _ in range(repeats):
         for batch in batches:
             baseline = baseline_run(redrafter, batch, max_tokens, choose, eos)
             for c, r in zip(configs, results):
-                run = redrafter_run(redrafter, batch, max_tokens, choose, eos, c)
+                run = redrafter_run(used[c.name], batch, max_tokens, choose, eos, c)
                 r.baseline_tps.append(baseline.tokens_per_second)
                 r.redrafter_tps.append(run.tokens_per_second)
                 r.speedups.append(run.tokens_per_second / baseline.tokens_per_second)

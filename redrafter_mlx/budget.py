@@ -9,29 +9,48 @@ K that maximises (1 + sum of the K best p_i) / cost(K + 1); K = 0 is plain
 decoding. The p_i come from the drafts' own predictions, calibrated by what
 this run has seen accepted (``AcceptanceStats``), since a drafter's
 probabilities are not calibrated and a lookup makes no prediction at all.
+A run starts from what earlier runs of the same model and drafter saw
+(``AcceptanceStats.as_prior``), weighted as a few steps' worth so that the
+run's own statistics soon decide: a short answer has no steps to spend on
+learning that the drafter is over-confident.
 """
 
 from collections import defaultdict
+from typing import Optional
 
 
 class AcceptanceStats:
     """Accepted versus predicted, per statistics key (source and depth).
 
     ``estimate(key, predicted)`` is ``predicted`` scaled by the key's
-    accepted / predicted ratio so far, starting from ``prior`` (ratio,
-    weight in predicted mass) before anything is seen. Only drafted tokens
-    whose prefix was accepted are observed, so the ratio is conditional.
+    accepted / predicted ratio so far, starting from a prior (ratio, weight
+    in predicted mass) before anything is seen: ``priors``' entry for the
+    key, else the source's default (``PRIORS``). Only drafted tokens whose
+    prefix was accepted are observed, so the ratio is conditional.
     """
 
     PRIORS = {"rnn": (1.0, 2.0), "lookup": (0.5, 2.0)}
 
-    def __init__(self):
+    def __init__(self, priors: Optional[dict] = None):
+        self.priors = priors or {}
         self.accepted = defaultdict(float)
         self.predicted = defaultdict(float)
 
     def _prior(self, key) -> tuple[float, float]:
+        if key in self.priors:
+            return self.priors[key]
         source = key[0]
         return self.PRIORS["lookup" if source.startswith("lookup") else source]
+
+    def as_prior(self, weight: float) -> "AcceptanceStats":
+        """Fresh statistics whose priors are these ratios (prior included),
+        each weighted as at most ``weight`` of predicted mass."""
+        priors = {}
+        for key, predicted in self.predicted.items():
+            ratio, prior_weight = self._prior(key)
+            seen = ratio * prior_weight + self.accepted[key]
+            priors[key] = (seen / (prior_weight + predicted), min(weight, prior_weight + predicted))
+        return AcceptanceStats(priors)
 
     def estimate(self, key, predicted: float) -> float:
         ratio, weight = self._prior(key)

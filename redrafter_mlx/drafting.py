@@ -28,6 +28,7 @@ LATER_VOCAB = 2048  # default later_vocab: see bench/results/issue14.md
 EXPLORE_STEPS = 8  # every this many steps, verify one node more than the budget chose
 RATE_MEMORY = 0.8  # weight of the past in the running estimate of lookup alone
 MEASURED_MEMORY = 0.7  # weight of the past in the running measured tokens and seconds
+CARRIED_WEIGHT = 4.0  # predicted mass (a few steps' worth) that earlier runs' statistics weigh as
 
 
 @dataclass
@@ -77,12 +78,16 @@ class DraftSettings:
 class Speculator:
     """Per-run drafting state for a batch: ``track`` each prompt (its
     context list, the row tracker's, which grows as tokens are committed)
-    before it drafts, ``drop`` it when it leaves."""
+    before it drafts, ``drop`` it when it leaves.
 
-    def __init__(self, settings: DraftSettings, has_drafter: bool):
+    history: what earlier runs of this model and drafter had accepted
+    (``ReDrafter.acceptance``); this run starts from it and adds to it."""
+
+    def __init__(self, settings: DraftSettings, has_drafter: bool, history: Optional[AcceptanceStats] = None):
         self.settings = settings
         self.has_drafter = has_drafter
-        self.stats = AcceptanceStats()
+        self.history = history
+        self.stats = AcceptanceStats() if history is None else history.as_prior(CARRIED_WEIGHT)
         self.indexes = {}
         self.rnn_on = has_drafter
         self.lookup_estimate = None  # running estimated tokens/s without the RNN, before such steps ran
@@ -150,7 +155,10 @@ class Speculator:
 
     def observe(self, trees: list, paths: np.ndarray, num_accepted: np.ndarray) -> None:
         """After a step: what was accepted (``accept``'s path and counts)."""
-        self.stats.observe_step(trees, paths.tolist(), num_accepted.tolist())
+        paths, counts = paths.tolist(), num_accepted.tolist()
+        self.stats.observe_step(trees, paths, counts)
+        if self.history is not None:
+            self.history.observe_step(trees, paths, counts)
         if self.pending is None:
             return
         mode, seconds = self.pending

@@ -11,7 +11,7 @@ them and the row's context.
 """
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Iterator, Optional, Sequence
 
 import mlx.core as mx
@@ -20,6 +20,7 @@ import numpy as np
 from .acceptance import accept
 from .base_model import BaseModel
 from .beam_search import beam_search
+from .budget import AcceptanceStats
 from .drafter import Drafter
 from .errors import UserError
 from .cost import cost_curve
@@ -44,12 +45,15 @@ class ReDrafter:
 
     identity, drafter_identity: digests naming the exact model and drafter
     (``loading.model_identity``), which key the cached cost curves.
+    acceptance: what this pair's runs so far had accepted, per draft source
+    and depth; each run starts from it (``drafting.Speculator``).
     """
 
     base: BaseModel
     drafter: Optional[Drafter]
     identity: str = ""
     drafter_identity: str = ""
+    acceptance: AcceptanceStats = field(default_factory=AcceptanceStats, repr=False, compare=False)
 
 
 @dataclass
@@ -280,7 +284,7 @@ class Decoder:
         self.cost_batch_sizes = sorted(cost_batch_sizes)
         self.costs = {}
         self.tracker = RowTracker([], 0, eos_token_ids)
-        self.speculator = Speculator(draft, redrafter.drafter is not None)
+        self.speculator = Speculator(draft, redrafter.drafter is not None, redrafter.acceptance)
         self.layout = self.cache = self.rnn = None
         self.leaving = set()
         self.sync = _Sync(timing)

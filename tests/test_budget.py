@@ -48,6 +48,21 @@ def test_statistics_calibrate_predictions_by_what_was_accepted():
     assert stats.estimate(("rnn", 1), 0.8) == pytest.approx(0.8 * (2 + 5) / (2 + 16))
 
 
+def test_earlier_statistics_become_a_prior_of_bounded_weight():
+    earlier = AcceptanceStats()
+    for accepted in [True, False, False, False] * 25:
+        earlier.observe(("rnn", 1), 0.8, accepted)
+    stats = earlier.as_prior(4.0)
+    ratio = (2 + 25) / (2 + 80)  # the earlier ratio, its own prior included
+    assert stats.estimate(("rnn", 1), 0.8) == pytest.approx(0.8 * ratio)
+    assert stats.estimate(("rnn", 2), 0.8) == pytest.approx(0.8)  # not seen before: the default prior
+    for _ in range(4):
+        stats.observe(("rnn", 1), 1.0, True)
+    # 4 of predicted mass weigh as much as all 80 earlier ones.
+    assert stats.estimate(("rnn", 1), 0.5) == pytest.approx(0.5 * (ratio * 4 + 4) / (4 + 4))
+    assert earlier.predicted[("rnn", 1)] == pytest.approx(80)  # the earlier statistics are left as they were
+
+
 def test_a_step_observes_the_children_of_accepted_nodes_only():
     stats = AcceptanceStats()
     tree = candidate_tree(1, [Draft([2, 3], [("rnn", 1), ("rnn", 2)], [0.5, 0.5], [0.5, 0.5]),

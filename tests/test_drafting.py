@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 from conftest import tiny_drafter
 
+from redrafter_mlx.budget import AcceptanceStats
 from redrafter_mlx.cost import CostCurve
 from redrafter_mlx.drafting import DraftSettings, Speculator
 from redrafter_mlx.errors import UserError
@@ -81,6 +82,24 @@ def test_the_rnn_is_turned_off_when_its_drafts_are_accepted_less_than_estimated(
         speculator.observe([tree], np.array([[0] + accepted]), np.array([len(accepted)]))
     assert not speculator.rnn_on
     assert speculator.rate("lookup") > speculator.rate("rnn")
+
+
+def test_a_run_starts_from_what_earlier_runs_accepted():
+    """A drafter that claims 0.9 per token and is never right: a first run
+    learns it; the next run of the same pair verifies nothing from its first
+    step on, where a run without that history still verifies its beams."""
+    cost = CostCurve([1, 2, 32], [1.0, 1.5, 3.0])
+    beams, probs = beams_for(3, [[9, 9]], 0.9)
+    history = AcceptanceStats()
+    run_steps(Speculator(DraftSettings(beam_width=1, beam_length=3, lookup=False), True, history), 3, beams, probs, cost, accepted=0)
+    assert history.predicted[("rnn", 1)] > 0 and history.accepted[("rnn", 1)] == 0
+
+    def first_tree(history):
+        speculator = Speculator(DraftSettings(beam_width=1, beam_length=3, lookup=False), True, history)
+        return speculator.trees([0], [3], beams, probs, cost=cost)[0]
+
+    assert first_tree(None).num_nodes > 1
+    assert first_tree(history).num_nodes == 1
 
 
 def test_without_a_drafter_only_lookup_drafts():
