@@ -24,6 +24,8 @@ from .errors import UserError
 from .generate import Chooser, ReDrafter, StepTiming, TokenHistory, generate_steps
 
 
+PROFILED_BATCHES = 4  # batches whose extra profiled run splits each configuration's step time
+
 # Used when no prompts file is given: a mix of tasks like a chat user's.
 DEFAULT_PROMPTS = [
     "What is the capital of France? Answer in one sentence.",
@@ -185,10 +187,10 @@ def run_benchmark(
     prompts.
 
     Per batch and repeat, the baseline runs, then each configuration,
-    alternating. One extra profiled run per configuration (on the first
-    batch) splits the time into host work, drafting, verification and
-    acceptance (its syncs would distort the timed runs, so it is not one of
-    them). A configuration's runs share one acceptance history, as the
+    alternating. Extra profiled runs per configuration (on PROFILED_BATCHES
+    batches spread over the prompts) split the time into host work,
+    drafting, verification and acceptance (their syncs would distort the
+    timed runs, so they are not among them). A configuration's runs share one acceptance history, as the
     requests of a running chat or server do.
     """
     batches = [prompts[i : i + batch_size] for i in range(0, len(prompts), batch_size)]
@@ -201,9 +203,11 @@ def run_benchmark(
     }
     # Warm-up: compile kernels and fill allocator caches for every path.
     baseline_run(redrafter, batches[0], 8, choose, eos)
+    profiled = batches[:: -(-len(batches) // PROFILED_BATCHES)]
     for c, r in zip(configs, results):
         redrafter_run(used[c.name], batches[0], 8, choose, eos, c)
-        redrafter_run(used[c.name], batches[0], max_tokens, choose, eos, c, timing=r.timing)
+        for batch in profiled:
+            redrafter_run(used[c.name], batch, max_tokens, choose, eos, c, timing=r.timing)
     for _ in range(repeats):
         for batch in batches:
             baseline = baseline_run(redrafter, batch, max_tokens, choose, eos)

@@ -163,31 +163,36 @@ class TreeKVCache:
             new_values[..., :old, :] = self.values
         self.keys, self.values = new_keys, new_values
 
-    def commit_path(self, path: mx.array) -> None:
-        """Copy the tree nodes ``path`` (B, P), packed indices of the block,
-        to each row's end, ``lengths[b] .. lengths[b] + P``. Only the
-        accepted prefix of the path is kept (the caller advances lengths)."""
+    def commit_path(self, path: np.ndarray, accepted: np.ndarray) -> None:
+        """Copy each row's root and accepted nodes, the packed block indices
+        ``path[b, : accepted[b] + 1]`` (host arrays, (B, P) and (B,)), to
+        the row's end, ``lengths[b]`` on (the caller then advances lengths).
+        Nothing moves when they are in place already: the root alone, or a
+        path packed in order, at batch 1 or with aligned rows."""
         start = self.layout.start
-        # The gather and scatter below are not bounds-checked: targets must
-        # stay inside the buffer that holds the block.
-        assert start + path.shape[1] <= self.keys.shape[2], "path longer than the verified block"
+        kept = int(accepted.max()) + 1
+        source = start + path[:, :kept]
+        target = self.layout.lengths[:, None] + np.arange(kept)
+        if (source == target).all():
+            return
+        # The gather and scatter below are not bounds-checked: sources must
+        # stay inside the verified block.
+        assert int(source.max()) < self.block_end, "path outside the verified block"
         if (self.layout.lengths == start).all():
             # Every row ends where the block begins (always so at batch 1):
             # the root is in place, and the rest is one slice for all rows,
-            # written in place (a scatter into the whole buffer copied it).
-            if path.shape[1] > 1:
-                source = path[:, None, 1:, None]
-                for buffer in (self.keys, self.values):
-                    shape = (*buffer.shape[:2], path.shape[1] - 1, buffer.shape[3])
-                    moved = mx.take_along_axis(buffer[..., start : self.block_end, :], mx.broadcast_to(source, shape), axis=2)
-                    buffer[..., start + 1 : start + path.shape[1], :] = moved
+            # written in place (a scatter into the whole buffer copies it).
+            index = mx.array(path[:, None, 1:kept, None], mx.int32)
+            for buffer in (self.keys, self.values):
+                shape = (*buffer.shape[:2], kept - 1, buffer.shape[3])
+                moved = mx.take_along_axis(buffer[..., start : self.block_end, :], mx.broadcast_to(index, shape), axis=2)
+                buffer[..., start + 1 : start + kept, :] = moved
             return
-        source = (start + path)[:, None, :, None]
-        target = mx.array(self.layout.lengths, mx.int32)[:, None, None, None]
-        target = target + mx.arange(path.shape[1])[None, None, :, None]
+        source = mx.array(source[:, None, :, None], mx.int32)
+        target = mx.array(target[:, None, :, None], mx.int32)
         for name in ("keys", "values"):
             buffer = getattr(self, name)
-            shape = (*buffer.shape[:2], path.shape[1], buffer.shape[3])
+            shape = (*buffer.shape[:2], kept, buffer.shape[3])
             moved = mx.take_along_axis(buffer, mx.broadcast_to(source, shape), axis=2)
             setattr(self, name, mx.put_along_axis(buffer, mx.broadcast_to(target, shape), moved, axis=2))
 

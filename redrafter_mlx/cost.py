@@ -51,22 +51,28 @@ class CostCurve:
         return [s / self.seconds[0] for s in self.seconds]
 
 
-def _timed(run, repeats: int) -> float:
-    run()  # warm-up: kernels, allocator
-    times = []
-    for _ in range(repeats):
-        tic = time.perf_counter()
+def _timed(runs: list, repeats: int) -> list[float]:
+    """Median seconds of each of ``runs``, after one warm-up each (kernels,
+    allocator), timed in turn ``repeats`` times: a burst of other load on a
+    shared machine then slows every size alike instead of bending the curve."""
+    for run in runs:
         run()
-        times.append(time.perf_counter() - tic)
-    return statistics.median(times)
+    times = [[] for _ in runs]
+    for _ in range(repeats):
+        for run, spent in zip(runs, times):
+            tic = time.perf_counter()
+            run()
+            spent.append(time.perf_counter() - tic)
+    return [statistics.median(t) for t in times]
 
 
-def measure(redrafter, batch_size: int, beam_shape: Optional[tuple] = None, repeats: int = 3, sizes=SIZES, tree: bool = True) -> CostCurve:
+def measure(redrafter, batch_size: int, beam_shape: Optional[tuple] = None, repeats: int = 5, sizes=SIZES, tree: bool = True) -> CostCurve:
     """Time tree passes of every size in ``sizes`` (a chain tree: per-token
     positions and a tree mask, as verification runs; with ``tree`` False, a
     plain causal chunk of as many tokens instead) after CONTEXT committed
     tokens, and one beam search of ``beam_shape`` (``beam_search``'s
-    beam_width, beam_length and later_rows) when there is a drafter."""
+    beam_width, beam_length and later_rows) when there is a drafter; all of
+    them in turn, ``repeats`` times."""
     from .beam_search import beam_search
     from .generate import prefill
 
@@ -88,13 +94,14 @@ def measure(redrafter, batch_size: int, beam_shape: Optional[tuple] = None, repe
 
         return run
 
-    seconds = [_timed(tree_pass(n), repeats) for n in sizes]
-    seconds = [max(seconds[: i + 1]) for i in range(len(seconds))]  # more nodes never cost less
-    draft = 0.0
+    runs = [tree_pass(n) for n in sizes]
     if redrafter.drafter is not None and beam_shape:
         first = mx.zeros((batch_size,), mx.int32)
-        draft = _timed(lambda: mx.eval(beam_search(redrafter.drafter, base.embed, hidden, first, *beam_shape)), repeats)
-    return CostCurve(list(sizes), seconds, draft)
+        runs.append(lambda: mx.eval(beam_search(redrafter.drafter, base.embed, hidden, first, *beam_shape)))
+    times = _timed(runs, repeats)
+    seconds = times[: len(sizes)]
+    seconds = [max(seconds[: i + 1]) for i in range(len(seconds))]  # more nodes never cost less
+    return CostCurve(list(sizes), seconds, times[len(sizes)] if len(times) > len(sizes) else 0.0)
 
 
 def machine_key() -> str:

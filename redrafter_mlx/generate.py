@@ -7,7 +7,9 @@ accept the longest agreeing path plus a bonus token, and keep only that path
 in the KV cache. The next step's beam search is built into the same lazy
 graph, so each step has exactly one host synchronisation: reading the
 accepted tokens and the next beams; the tree is then built on the host from
-them and the row's context.
+them and the row's context, and the accepted path's keys and values are
+moved into place (only those out of place, lazily: the copy runs with the
+next pass).
 """
 
 import time
@@ -394,16 +396,18 @@ class Decoder:
         self.sync("verification", hidden, logits)
         choices = self.choose(logits, tracker.history(tree))
         step = accept(tree.beams, tree.unpack, choices, hidden)
-        for c in self.cache:
-            c.commit_path(step.path)
-        state = [c.state_arrays() for c in self.cache]
-        self.sync("acceptance", step.tokens, state)
+        self.sync("acceptance", step.tokens, step.path)
         rnn = self._search(step.next_hidden, step.next_token) if self.speculator.use_rnn() else None
-        self.sync("drafting", step.num_accepted, step.tokens, step.path, rnn, state)
+        self.sync("drafting", step.num_accepted, step.tokens, step.path, rnn, [c.state_arrays() for c in self.cache])
         self.rnn = None if rnn is None else [np.array(a) for a in rnn]
 
-        num_accepted = np.array(step.num_accepted)
-        self.speculator.observe(trees, np.array(step.path), num_accepted)
+        num_accepted, path = np.array(step.num_accepted), np.array(step.path)
+        # Known on the host now: only what was accepted, and only what is out
+        # of place, is copied (lazily, evaluated with the next pass).
+        for c in self.cache:
+            c.commit_path(path, num_accepted)
+        self.sync("acceptance", [c.state_arrays() for c in self.cache])
+        self.speculator.observe(trees, path, num_accepted)
         self.layout.commit(num_accepted + 1)
         tokens = np.array(step.tokens)
         outputs = tracker.emit(
