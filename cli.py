@@ -220,7 +220,7 @@ def bench(
     seed: int = SEED,
     configs: str = typer.Option("auto,lookup,rnn:4x5,both:4x5", "--configs", help="Configurations to measure, comma-separated: auto (the default settings), lookup (context lookup only), rnn:WxL (the RNN's beams, all verified), both:WxL (those and one lookup continuation)."),
     batch_size: int = typer.Option(1, "--batch-size", "-b", help="Prompts decoded together (1 compares against mlx-lm's own loop)."),
-    repeats: int = typer.Option(1, "--repeats", help="Times each prompt batch is measured."),
+    repeats: int = typer.Option(1, "--repeats", help="Times each prompt batch is measured; its speed-up is the median of them."),
     calibrate: bool = typer.Option(False, "--calibrate", help="Measure this machine's verification cost curve again (it is cached) before the benchmark."),
     json_out: Optional[str] = typer.Option(None, "--json", help="Write all results, machine, mlx version and settings to this JSON file."),
     plot_out: Optional[str] = typer.Option(None, "--plot", help="Draw the speed-up per configuration to this PNG (needs matplotlib)."),

@@ -4,7 +4,7 @@ two are timed on the same text."""
 import numpy as np
 from conftest import tiny_redrafter
 
-from redrafter_mlx.bench import Config, baseline_run, redrafter_run
+from redrafter_mlx.bench import Config, ConfigResult, baseline_run, redrafter_run
 from redrafter_mlx.drafting import DraftSettings
 from redrafter_mlx.sampling import SamplingSettings, make_chooser
 
@@ -21,3 +21,11 @@ def test_sampled_mlx_lm_baseline_emits_the_seeded_redrafter_tokens():
         assert ours.tokens == baseline.tokens and len(baseline.tokens[0]) == 24
     other = baseline_run(redrafter, [prompt], 24, make_chooser(SamplingSettings(temp=1.0, top_p=0.9, seed=99)), [])
     assert other.tokens != baseline.tokens  # the draws depend on the seed: the equality above is not vacuous
+
+
+def test_a_batch_counts_once_by_the_median_of_its_repeats():
+    result = ConfigResult("auto", redrafter_tps=[1.0], baseline_tps=[1.0], speedups={0: [1.0, 2.0, 3.0], 1: [0.5, 0.6, 10.0]})
+    summary = result.summary()
+    assert summary["speedups"] == [2.0, 0.6]
+    assert (summary["speedup_min"], summary["speedup_max"]) == (0.6, 2.0)  # not the single runs' 0.5 and 10
+    assert summary["speedup_median"] == 1.3
