@@ -8,12 +8,16 @@ with noise independent of everything the walk has seen: the acceptance walk
 then emits exactly the autoregressive distribution. Since the noise depends
 only on the seed and the position, a seeded run gives the same tokens in a
 batch or alone, and the same tokens as autoregressive sampling with that seed.
+It also means a position's noise, once drawn, serves every later step whose
+nodes stand at that position: a run draws about one vector of noise per
+token it emits, not one per node it verifies.
 """
 
 from dataclasses import dataclass, field
 from typing import Optional
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
 from .errors import UserError
@@ -149,6 +153,22 @@ def make_chooser(settings: SamplingSettings) -> Chooser:
             raise UserError(f"row_seeds holds {len(settings.row_seeds)} seeds, but prompt {row} is being sampled")
         return settings.row_seeds[row]
 
+    noise = {}  # (seed, position, vocab) -> Gumbel noise (vocab,), kept while calls still ask for it
+
+    def noise_at(seeds: list, positions: np.ndarray, vocab: int) -> mx.array:
+        """Noise (B, N, vocab) for each row's seed at each of its positions
+        (B, N). Each (seed, position) is drawn once and reused while
+        consecutive calls ask for it (the nodes of the next step stand
+        where this step's deeper nodes stood)."""
+        keys = [(seed, int(p), vocab) for seed, row in zip(seeds, positions) for p in row]
+        missing = [k for k in dict.fromkeys(keys) if k not in noise]
+        if missing:
+            fresh = gumbel_noise([k[0] for k in missing], mx.array([[k[1]] for k in missing], mx.int32), vocab)
+            noise.update((k, fresh[i, 0]) for i, k in enumerate(missing))
+        for key in noise.keys() - set(keys):
+            del noise[key]
+        return mx.stack([noise[k] for k in keys]).reshape(*positions.shape, vocab)
+
     def choose(logits: mx.array, history: TokenHistory) -> mx.array:
         logits = logits.astype(mx.float32)
         if bias is not None:
@@ -159,15 +179,18 @@ def make_chooser(settings: SamplingSettings) -> Chooser:
         if settings.temp == 0:
             return mx.argmax(logits, axis=-1)
         batch, nodes, vocab = logits.shape
-        logprobs = (logits - mx.logsumexp(logits, axis=-1, keepdims=True)).reshape(-1, vocab)
+        # Log-probabilities up to a per-node constant, which neither the
+        # filters (top-p divides by the total mass) nor the argmax see; the
+        # maximum is 0, so exp() cannot overflow. Cheaper than a logsumexp.
+        logprobs = (logits - logits.max(axis=-1, keepdims=True)).reshape(-1, vocab)
         for apply_filter in filters:
             logprobs = apply_filter(logprobs)
-        positions = mx.array([len(c) for c in history.context], mx.int32)[:, None]
+        positions = np.array([len(c) for c in history.context], np.int64)[:, None]
         if history.node_depths is not None:
-            positions = positions + history.node_depths
+            positions = positions + np.array(history.node_depths)
+        positions = np.broadcast_to(positions, (batch, nodes))
         seeds = [seed_of(r) for r in history.rows]
-        noise = gumbel_noise(seeds, mx.broadcast_to(positions, (batch, nodes)), vocab)
-        return mx.argmax(logprobs.reshape(batch, nodes, vocab) / settings.temp + noise, axis=-1)
+        return mx.argmax(logprobs.reshape(batch, nodes, vocab) / settings.temp + noise_at(seeds, positions, vocab), axis=-1)
 
     return choose
 

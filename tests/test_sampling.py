@@ -181,6 +181,26 @@ def test_open_uniform_is_strictly_inside_zero_one_for_every_hash_value():
     assert mx.all(mx.isfinite(noise)).item()
 
 
+def test_noise_reused_across_calls_draws_what_fresh_noise_draws():
+    """A chooser keeps each (seed, position)'s noise while later calls ask
+    for it: a run of steps (contexts growing, nodes at several depths, rows
+    joining and leaving) chooses exactly what a new chooser chooses at each
+    step, and logits that favour no token give tokens that vary with the
+    position, so stale noise would show."""
+    vocab, nodes = 512, 5
+    depths = mx.array([[0, 1, 1, 2, 3], [0, 1, 2, 3, 4]])
+    settings = SamplingSettings(temp=1.0, seed=9)
+    kept = make_chooser(settings)
+    logits = mx.zeros((2, nodes, vocab))
+    chosen = []
+    for step, (rows, length) in enumerate([([0, 1], 10), ([0, 1], 12), ([0, 1], 13), ([1, 2], 13), ([1, 2], 17), ([0, 2], 17)]):
+        history = TokenHistory(rows, [[0] * (length + r) for r in rows], mx.zeros((2, nodes), mx.int32), None, depths)
+        got = kept(logits, history)
+        assert mx.array_equal(got, make_chooser(settings)(logits, history)), step
+        chosen += np.array(got).ravel().tolist()
+    assert len(set(chosen)) >= 20
+
+
 @pytest.mark.parametrize("settings", [dict(temp=1.0, top_k=4), dict(temp=1.0, top_p=0.9), dict(temp=1.0, min_p=0.02)], ids=["top_k", "top_p", "min_p"])
 def test_no_token_outside_the_filters_with_a_real_size_vocabulary(settings):
     """4,000 draws over 32,768 tokens: with 24-bit uniforms about 8 of them
