@@ -349,6 +349,7 @@ def train(
     hidden_dropout: float = typer.Option(0.0, "--hidden-dropout", help="Dropout on the base model's hidden state while training (against memorising it)."),
     soft_targets: float = typer.Option(0.0, "--soft-targets", help="Weight of the base model's whole next-token distribution as the target (0: only the generated tokens, the reference objective; 1: only the distribution)."),
     warm_start: bool = typer.Option(False, "--warm-start", help="Start from the base model's own head (needs --exit-dim equal to its hidden size): the first prediction is the base model's ranking of h."),
+    freeze_head_steps: int = typer.Option(0, "--freeze-head-steps", help="With --warm-start: keep the vocab projection equal to the base model's head for the first N steps (at least --steps: the whole run, only the features are trained)."),
     hidden_loss: float = typer.Option(0.0, "--hidden-loss", help="Weight of an extra loss: the squared error between the drafter's features and the base model's next hidden states (needs --exit-dim equal to its hidden size)."),
     lookup_weight: float = typer.Option(1.0, "--lookup-weight", help="Weight in the loss of targets that context lookup already drafts right (the tree holds its draft there anyway); 1 weighs every target alike."),
     depth: int = typer.Option(5, "--depth", help="T: tokens drafted per position during training (teacher forcing)."),
@@ -382,6 +383,10 @@ def train(
         fail(f"--lookup-weight takes a number in [0, 1], got {lookup_weight}")
     if hidden_loss < 0:
         fail("--hidden-loss must be at least 0")
+    if freeze_head_steps < 0:
+        fail(f"--freeze-head-steps must be at least 0, got {freeze_head_steps}")
+    if freeze_head_steps and not warm_start:
+        fail("--freeze-head-steps needs --warm-start (it keeps the base model's head)")
     if min(steps, batch_size, depth, exit_dim, eval_every, save_every) < 1 or warmup < 0 or num_draft_layers < 0 or draft_vocab < 0:
         fail("--steps, --batch-size, --depth, --exit-dim, --eval-every and --save-every must be positive")
     out = Path(output)
@@ -391,7 +396,7 @@ def train(
         depth=depth, exit_dim=exit_dim, num_draft_layers=num_draft_layers, rnn=rnn, draft_vocab=draft_vocab,
         dtype=drafter_dtype, steps=steps, batch_size=batch_size, learning_rate=learning_rate, warmup=warmup,
         weight_decay=weight_decay, grad_clip=grad_clip, hidden_dropout=hidden_dropout, soft_targets=soft_targets,
-        warm_start=warm_start, hidden_loss=hidden_loss, lookup_weight=lookup_weight, eval_every=eval_every, save_every=save_every, seed=seed,
+        warm_start=warm_start, freeze_head_steps=freeze_head_steps, hidden_loss=hidden_loss, lookup_weight=lookup_weight, eval_every=eval_every, save_every=save_every, seed=seed,
     )
     if len({os.path.realpath(path) for path in data}) < len(data):
         fail("the same --data folder is given twice")

@@ -45,6 +45,32 @@ def teacher_forced_accuracy(drafter, draft_token_ids, embed, hidden, windows, vo
     return (correct / np.maximum(targets, 1)).round(4).tolist()
 
 
+def sampled_agreement(drafter, embed, head, hidden, next_hidden, windows, temp, batch_size=1024):
+    """Depth 1 at temperature ``temp``: the chance that the base model's
+    sampled token x[t+2] (drawn from head(h[t+1]) with Gumbel noise) is the
+    drafter's token, drafted (a) as its argmax, and (b) as the argmax of its
+    log-probabilities over ``temp`` plus the same noise, which a sampler
+    whose noise is known before the pass (``redrafter_mlx.sampling``) could
+    give the drafter. (b) pays only as far as the drafter's distribution is
+    the base model's. Over the positions where x[t+2] exists."""
+    valid = windows[:, 1] >= 0
+    hidden, next_hidden, first = hidden[valid], next_hidden[valid], windows[valid, 0]
+    ids = drafter.token_ids(mx.arange(drafter.draft_vocab_size))
+    plain, coupled, key = 0.0, 0.0, mx.random.key(0)
+    for start in range(0, len(first), batch_size):
+        key, sub = mx.random.split(key)
+        h = mx.array(hidden[start : start + batch_size].astype(np.float32))
+        state = drafter.update_state(embed(mx.array(first[start : start + batch_size])), None)
+        drafted = drafter.log_probs(h, state)  # (n, draft_vocab)
+        logits = head(mx.array(next_hidden[start : start + batch_size].astype(np.float32))) / temp
+        noise = mx.random.gumbel(logits.shape, key=sub)
+        sampled = mx.argmax(logits + noise, axis=-1)
+        probs = mx.softmax(logits, axis=-1)
+        plain += mx.take_along_axis(probs, ids[mx.argmax(drafted, axis=-1)][:, None], axis=-1).sum().item()
+        coupled += (ids[mx.argmax(drafted / temp + noise[:, ids], axis=-1)] == sampled).sum().item()
+    return {"temp": temp, "depth1_argmax": round(plain / len(first), 4), "depth1_noise_aimed": round(coupled / len(first), 4)}
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="The base model the data was distilled from (default: the embedded one).")
@@ -53,6 +79,7 @@ def main():
     parser.add_argument("--shapes", default="1x5,2x5,4x5,8x5")
     parser.add_argument("--all", action="store_true", help="Replay every sequence, not only held-out ones.")
     parser.add_argument("--lookup", action="store_true", help="Also replay each shape with one context-lookup continuation in the tree.")
+    parser.add_argument("--temp", type=float, default=0.0, help="Also measure depth-1 agreement with the base model's samples at this temperature (``sampled_agreement``).")
     parser.add_argument("--later-rows", default="", help="Also replay each shape with the drafted tokens after the first taken from this many most frequent draft-vocabulary rows (comma-separated sizes).")
     args = parser.parse_args()
 
@@ -77,6 +104,9 @@ def main():
     windows, row_hidden = positions.tokens[rows], hidden[positions.hidden_row[rows]]
     draft_token_ids = getattr(drafter, "draft_token_ids", None)
     result["accuracy"] = teacher_forced_accuracy(drafter, draft_token_ids, base.embed, row_hidden, windows, base.vocab_size)
+    if args.temp > 0:
+        next_hidden = hidden[np.minimum(positions.hidden_row[rows] + 1, len(hidden) - 1)]
+        result["sampled"] = sampled_agreement(drafter, base.embed, base.head, row_hidden, next_hidden, windows, args.temp)
     if draft_token_ids is not None:
         bound = in_vocabulary_lengths(windows[:, :longest], np.array(draft_token_ids), base.vocab_size)
         result[f"draft_vocab_ceiling_x{longest}"] = round(tokens_per_step(bound, counts[keep]), 3)

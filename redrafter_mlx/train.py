@@ -18,7 +18,9 @@ Two options start from what the base model already knows. ``warm_start``
 (exit_dim = hidden_size) makes the drafter's first prediction the base
 model's own: the input projection passes h through, the residual blocks start
 as the identity, and the vocab projection starts as the base model's output
-head rows of the draft vocabulary. ``hidden_loss`` > 0 adds, at each depth k,
+head rows of the draft vocabulary; ``freeze_head_steps`` keeps that
+projection fixed for the first steps (all of them: only the features are
+trained, as EAGLE keeps the base model's head). ``hidden_loss`` > 0 adds, at each depth k,
 the mean squared error between the drafter's features (what its vocab
 projection reads) and h[t+k+1], the base model's own state for the target
 (as EAGLE trains its drafter), so the drafter learns features, not only ids.
@@ -76,6 +78,7 @@ class TrainConfig:
     hidden_dropout: float = 0.0  # dropout on h while training: the drafter memorises h otherwise
     soft_targets: float = 0.0  # weight of the base model's distribution as target (0: generated tokens only)
     warm_start: bool = False  # start from the base model's head (exit_dim = hidden_size)
+    freeze_head_steps: int = 0  # with warm_start: the vocab projection stays the base head's for these steps
     hidden_loss: float = 0.0  # weight of the features' squared error to h[t+k+1] (exit_dim = hidden_size)
     lookup_weight: float = 1.0  # weight of targets that context lookup already drafts right
     grad_clip: float = 1.0
@@ -353,6 +356,8 @@ class Trainer:
         )
         if (config.warm_start or config.hidden_loss > 0) and config.exit_dim != base.hidden_size:
             raise UserError(f"--warm-start and --hidden-loss need --exit-dim equal to the base model's hidden size {base.hidden_size}")
+        if config.freeze_head_steps > 0 and not config.warm_start:
+            raise UserError("--freeze-head-steps needs --warm-start (it keeps the base model's head)")
         mx.random.seed(config.seed)
         self.drafter = Drafter(args)
         if config.warm_start:
@@ -372,6 +377,8 @@ class Trainer:
         self.optimizer = optim.AdamW(learning_rate=schedule, weight_decay=config.weight_decay)
         self.optimizer.init(self.drafter.trainable_parameters())
         self.step = 0
+        self.head_frozen = False
+        self._set_head_frozen(config.freeze_head_steps > 0)
         self.embed = lambda t: mx.stop_gradient(base.embed(t))
         # The base model's head restricted to the draft vocabulary, for soft targets.
         self.teacher_head = None
@@ -379,6 +386,18 @@ class Trainer:
             ids = draft_token_ids if draft_token_ids is not None else np.arange(base.vocab_size)
             self.teacher_head = base.head_rows(mx.array(ids))
         self._compiled_step = None  # built on first use, after any checkpoint is loaded
+
+    def _set_head_frozen(self, frozen: bool) -> None:
+        """Freeze or unfreeze the vocab projection and rebuild the compiled
+        step. The optimizer's state for it, made before any freezing, stays
+        zero while it is frozen."""
+        if frozen == self.head_frozen:
+            return
+        if frozen:
+            self.drafter.lm_head[-1].freeze()
+        else:
+            self.drafter.lm_head[-1].unfreeze()
+        self.head_frozen, self._compiled_step = frozen, None
 
     def _make_train_step(self):
         loss_and_grad = nn.value_and_grad(self.drafter, self._loss)
@@ -433,6 +452,7 @@ class Trainer:
         return np.sort(self.train_rows[order[index * self.config.batch_size : (index + 1) * self.config.batch_size]])
 
     def train_step(self) -> float:
+        self._set_head_frozen(self.step < self.config.freeze_head_steps)
         if self._compiled_step is None:
             self._compiled_step = self._make_train_step()
         # The dropout key is a function of the step, so a resumed run draws the same masks.

@@ -162,8 +162,11 @@ def test_soft_targets_are_the_base_models_next_token_distribution(setup, tmp_pat
     assert before < 0.1 and after > 0.5, (before, after)  # chance: 1/48; the random teacher is nearly flat
 
 
-def test_resuming_from_a_checkpoint_continues_with_identical_loss(setup, tmp_path):
-    overrides = dict(steps=24, save_every=12, eval_every=100, hidden_dropout=0.2, soft_targets=0.5)
+@pytest.mark.parametrize("head", [{}, dict(exit_dim=HIDDEN, warm_start=True, freeze_head_steps=8), dict(exit_dim=HIDDEN, warm_start=True, freeze_head_steps=18)])
+def test_resuming_from_a_checkpoint_continues_with_identical_loss(setup, tmp_path, head):
+    """Also when the head was unfrozen before the checkpoint (8), and when
+    it is unfrozen after the resume (18)."""
+    overrides = dict(steps=24, save_every=12, eval_every=100, hidden_dropout=0.2, soft_targets=0.5, **head)
     straight = []
     train(make_trainer(setup, tmp_path / "a", **overrides), progress=False, log=lambda r: straight.append(r["loss"]))
 
@@ -217,6 +220,21 @@ def test_a_warm_started_drafter_first_predicts_the_base_models_ranking_of_h(setu
     assert (np.argsort(-drafted, axis=-1)[:, :5] == np.argsort(-expected, axis=-1)[:, :5]).all()
     with pytest.raises(UserError, match="hidden size"):
         make_trainer(setup, "unused", exit_dim=HIDDEN + 8, warm_start=True)
+
+
+def test_a_frozen_head_stays_the_base_models_for_its_steps_then_trains(setup, tmp_path):
+    base, _, _ = setup
+    trainer = make_trainer(setup, tmp_path / "out", exit_dim=HIDDEN, warm_start=True, hidden_loss=1.0, freeze_head_steps=10, steps=20, draft_vocab=48)
+    head = np.array(base.head_rows(trainer.drafter.draft_token_ids))
+    features = np.array(trainer.drafter.input_proj.weight)
+    for _ in range(10):
+        trainer.train_step()
+    np.testing.assert_array_equal(np.array(trainer.drafter.lm_head[-1].weight), head)
+    assert not np.allclose(np.array(trainer.drafter.input_proj.weight), features)  # the rest trains
+    trainer.train_step()
+    assert not np.allclose(np.array(trainer.drafter.lm_head[-1].weight), head)
+    with pytest.raises(UserError, match="--warm-start"):
+        make_trainer(setup, "unused", exit_dim=HIDDEN, freeze_head_steps=5)
 
 
 def test_the_hidden_loss_is_the_squared_error_of_the_features_to_the_next_states(setup, tmp_path):
