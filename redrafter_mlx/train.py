@@ -183,7 +183,10 @@ def compute_hidden_cache(base, folder: DataFolder, sequences: Sequences, batch_t
 def _shard_hidden(base, shard: Path, batch_tokens: int) -> None:
     """Write ``hidden-NNNNN.npy`` for a shard that lacks it: h[t] at
     t = P-1 .. L-2 of each sequence, in order, from batches of right-padded
-    sequences (causal attention makes the padding harmless)."""
+    sequences (causal attention makes the padding harmless). Batches are
+    made in order of length, which cuts the padding computed (for the
+    default model's data folders, 22-61 % more tokens than the sequences
+    hold in shard order, 6-10 % in length order)."""
     with np.load(shard) as data:
         prompt_lengths, lengths, tokens = data["prompt_lengths"], data["lengths"], data["tokens"]
     counts = lengths - prompt_lengths
@@ -191,17 +194,19 @@ def _shard_hidden(base, shard: Path, batch_tokens: int) -> None:
     if target.exists() and np.load(target, mmap_mode="r").shape == (int(counts.sum()), base.hidden_size):
         return
     starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
-    parts, i = [], 0
-    while i < len(lengths):
-        longest, j = 0, i
-        while j < len(lengths) and max(longest, lengths[j]) * (j - i + 1) <= max(batch_tokens, lengths[j]):
-            longest = max(longest, int(lengths[j]))
+    order = np.argsort(lengths, kind="stable")
+    parts, i = [None] * len(lengths), 0
+    while i < len(order):
+        j = i + 1
+        while j < len(order) and lengths[order[j]] * (j + 1 - i) <= batch_tokens:
             j += 1
-        batch = np.zeros((j - i, longest), np.int32)
-        for k in range(i, j):
-            batch[k - i, : lengths[k]] = tokens[starts[k] : starts[k] + lengths[k]]
+        members = order[i:j]
+        batch = np.zeros((j - i, int(lengths[members[-1]])), np.int32)
+        for row, k in enumerate(members):
+            batch[row, : lengths[k]] = tokens[starts[k] : starts[k] + lengths[k]]
         hidden = np.array(base.backbone(mx.array(batch)).astype(mx.float16))
-        parts += [hidden[k - i, prompt_lengths[k] - 1 : lengths[k] - 1] for k in range(i, j)]
+        for row, k in enumerate(members):
+            parts[k] = hidden[row, prompt_lengths[k] - 1 : lengths[k] - 1]
         i = j
     temporary = target.with_name("." + target.name + ".tmp.npy")
     np.save(temporary, np.concatenate(parts))

@@ -152,6 +152,8 @@ def test_distill_then_train_on_two_folders_gives_a_drafter_generate_loads(tmp_pa
     assert result.returncode == 0 and result.stdout.strip(), result.stderr
     assert_clean_error(run_cli(*train[:4], tmp_path / "greedy", *train[5:]), "given twice")
     assert_clean_error(run_cli(*train[:4], tmp_path, *train[5:]), "not a distillation data folder")
+    assert_clean_error(run_cli(*train, "--freeze-head-steps", 2), "needs --warm-start")
+    assert_clean_error(run_cli(*train, "--warm-start", "--freeze-head-steps", -1), "--freeze-head-steps must be at least 0")
     greedy_samples = run_cli("distill", "--prompts", prompts, "--output", tmp_path / "new", "--samples", 2)
     assert_clean_error(greedy_samples, "--samples above 1 needs --temp above 0")
     assert not (tmp_path / "new").exists()
