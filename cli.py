@@ -3,6 +3,7 @@
 import json
 import os
 import sys
+import tempfile
 import time
 from typing import List, Optional
 
@@ -525,8 +526,24 @@ def serve(
     scheduler.stop()
 
 
+def use_a_temp_dir_that_exists() -> None:
+    """MLX's CPU backend compiles fused kernels in the temporary directory
+    C++ finds from the first of TMPDIR, TMP, TEMP, TEMPDIR that is set; if
+    that one does not exist, every compiled operation fails. Point it at the
+    directory Python's ``tempfile`` finds instead, with one warning line."""
+    for name in ("TMPDIR", "TMP", "TEMP", "TEMPDIR"):
+        path = os.environ.get(name)
+        if path:
+            if not os.path.isdir(path):
+                fallback = tempfile.gettempdir()
+                typer.echo(f"warning: {name}={path} is not a directory; using {fallback}", err=True)
+                os.environ[name] = fallback
+            return
+
+
 def main() -> None:
     """Entry point: runs the app, turning bad input into one error line."""
+    use_a_temp_dir_that_exists()
     try:
         app()
     except UserError as e:

@@ -141,12 +141,13 @@ class OracleDrafter:
         return draft_indices
 
 
-def run_cli(*args, input=None, timeout=600):
-    """Run the command line from this checkout; returns the completed process."""
+def run_cli(*args, input=None, timeout=600, env=None):
+    """Run the command line from this checkout (``env``: variables to set
+    for it); returns the completed process."""
     import subprocess
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, PYTHONPATH=root)
+    env = dict(os.environ, PYTHONPATH=root, **(env or {}))
     return subprocess.run(
         [sys.executable, "-m", "redrafter_mlx.cli", *map(str, args)],
         input=input, capture_output=True, text=True, timeout=timeout, cwd=root, env=env,

@@ -283,6 +283,18 @@ def test_a_prompt_that_is_not_utf8_gets_one_error_line():
     assert_clean_error(result, "not UTF-8")
 
 
+def test_a_temp_dir_that_does_not_exist_gets_one_warning_and_the_command_runs(tmp_path):
+    # MLX compiles kernels in TMPDIR; before the fallback this run ended in
+    # "RuntimeError: filesystem error: temp_directory_path".
+    missing = tmp_path / "gone"
+    result = run_cli("generate", "--prompt", "hi", "--max-tokens", 4, "--json", env={"TMPDIR": str(missing)})
+    assert result.returncode == 0, result.stderr
+    assert "Traceback" not in result.stderr
+    warnings = [l for l in result.stderr.splitlines() if l.startswith("warning: ")]
+    assert len(warnings) == 1 and warnings[0].startswith(f"warning: TMPDIR={missing} is not a directory; using /")
+    assert json.loads(result.stdout)["generation_tokens"] >= 1
+
+
 def test_loading_warns_when_mlx_runs_on_the_reference_blas():
     import os
     import subprocess
