@@ -45,6 +45,13 @@ def teacher_forced_accuracy(drafter, draft_token_ids, embed, hidden, windows, vo
     return (correct / np.maximum(targets, 1)).round(4).tolist()
 
 
+def sequence_rows(counts: np.ndarray, keep: np.ndarray) -> np.ndarray:
+    """Rows of the positions of the sequences ``keep`` (n,) selects, given
+    each sequence's number of positions ``counts`` (n,) in folder order."""
+    first_row = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    return np.concatenate([np.arange(first_row[i], first_row[i] + counts[i]) for i in np.flatnonzero(keep)])
+
+
 def sampled_agreement(drafter, embed, head, hidden, next_hidden, windows, temp, batch_size=1024):
     """Depth 1 at temperature ``temp``: the chance that the base model's
     sampled token x[t+2] (drawn from head(h[t+1]) with Gumbel noise) is the
@@ -99,7 +106,7 @@ def main():
     first_row = np.concatenate([[0], np.cumsum(counts)[:-1]])
     # A sequence is held out when its positions are (the trainer's rule).
     keep = np.ones(len(counts), bool) if args.all else (counts > 0) & positions.held_out[np.minimum(first_row, len(positions.held_out) - 1)]
-    rows = np.concatenate([np.arange(first_row[i], first_row[i] + counts[i]) for i in np.flatnonzero(keep)])
+    rows = sequence_rows(counts, keep)
     result = {"drafter": args.drafter, "sequences": int(keep.sum()), "tokens": int(counts[keep].sum())}
     windows, row_hidden = positions.tokens[rows], hidden[positions.hidden_row[rows]]
     draft_token_ids = getattr(drafter, "draft_token_ids", None)
