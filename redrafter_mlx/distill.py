@@ -23,6 +23,7 @@ again skips the responses already done.
 import hashlib
 import json
 import os
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -212,9 +213,24 @@ def response_stream(base, max_tokens: int, sampling, eos_token_ids) -> Callable[
     return generate
 
 
+def leave_with_parent(poll: float = 1.0) -> None:
+    """Make this process exit once its parent is gone. A parent killed
+    outright (SIGTERM, SIGKILL) runs no clean-up, and its workers would
+    otherwise go on decoding unseen, holding the CPU and memory."""
+    parent = os.getppid()
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(poll)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
 def _worker(load_args: tuple, max_tokens: int, sampling, eos_token_ids, prompts: list, indices: list, samples: list, batch_size: int, results) -> None:
     """One distillation worker process: load the model, generate, and put
     ``(index, response, hidden)`` per finished prompt, then None, on ``results``."""
+    leave_with_parent()
     try:
         from .base_model import BaseModel
         from .loading import load_base_model

@@ -158,3 +158,53 @@ def test_prompts_file_reading(tmp_path):
     assert read_prompts(str(path)) == PROMPTS
     with pytest.raises(UserError, match="not found"):
         read_prompts(str(tmp_path / "missing.jsonl"))
+
+
+def test_a_worker_leaves_when_its_parent_is_killed(tmp_path):
+    # Before leave_with_parent, `kill` of a `distill --workers 2` left both
+    # workers decoding for the rest of the session.
+    import os
+    import signal
+    import subprocess
+    import sys
+    import textwrap
+    import time
+
+    script = tmp_path / "parent.py"
+    script.write_text(textwrap.dedent("""
+        import multiprocessing, time
+        from redrafter_mlx.distill import leave_with_parent
+
+        def child():
+            leave_with_parent(poll=0.1)
+            time.sleep(600)
+
+        if __name__ == "__main__":
+            process = multiprocessing.get_context("spawn").Process(target=child, daemon=True)
+            process.start()
+            print(process.pid, flush=True)
+            time.sleep(600)
+    """))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=root))
+    child = int(parent.stdout.readline())
+
+    def running(pid):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        stat = f"/proc/{pid}/stat"  # a zombie is gone, only not yet reaped
+        return not (os.path.exists(stat) and open(stat).read().split(")")[-1].split()[0] == "Z")
+
+    try:
+        time.sleep(3)  # the child imports the package and starts watching
+        parent.kill()
+        parent.wait()
+        deadline = time.time() + 20
+        while running(child) and time.time() < deadline:
+            time.sleep(0.2)
+        assert not running(child)
+    finally:
+        if running(child):
+            os.kill(child, signal.SIGKILL)
