@@ -41,13 +41,14 @@ def main():
     for path in sys.argv[1:]:
         drafter = load_drafter(path)
         for source in sorted(set(sources)):
-            rows = sequence_rows(counts, sources == source)
+            keep = sources == source
+            rows = sequence_rows(counts, keep)
             windows, row_hidden = positions.tokens[rows], hidden[positions.hidden_row[rows]]
-            lookup, n = positions.lookup_depth[rows], counts[sources == source]
+            lookup, n = positions.lookup_depth[rows], counts[keep]
             accuracy = teacher_forced_accuracy(drafter, getattr(drafter, "draft_token_ids", None), base.embed, row_hidden, windows[:, :3], base.vocab_size)
             accepted = accepted_lengths(drafter, base.embed, row_hidden, windows, WIDTH)
             print(json.dumps({
-                "drafter": path, "source": source, "sequences": int((sources == source).sum()), "accuracy": accuracy,
+                "drafter": path, "source": source, "sequences": int(keep.sum()), "accuracy": accuracy,
                 f"{WIDTH}x{LENGTH}": round(tokens_per_step(accepted, n), 3),
                 f"{WIDTH}x{LENGTH}+lookup": round(tokens_per_step(with_lookup(accepted, lookup, LENGTH), n), 3),
                 "lookup": round(tokens_per_step(with_lookup(np.zeros_like(accepted), lookup, LENGTH), n), 3),

@@ -22,6 +22,7 @@ again skips the responses already done.
 
 import hashlib
 import json
+import multiprocessing
 import os
 import threading
 import time
@@ -213,15 +214,18 @@ def response_stream(base, max_tokens: int, sampling, eos_token_ids) -> Callable[
     return generate
 
 
-def leave_with_parent(poll: float = 1.0) -> None:
-    """Make this process exit once its parent is gone. A parent killed
+def leave_with_parent() -> None:
+    """Make this worker process exit once its parent is gone. A parent killed
     outright (SIGTERM, SIGKILL) runs no clean-up, and its workers would
-    otherwise go on decoding unseen, holding the CPU and memory."""
-    parent = os.getppid()
+    otherwise go on decoding unseen, holding the CPU and memory. Waits on
+    multiprocessing's parent sentinel (closed when the parent dies): no
+    polling, and no race with a parent that died before the thread began."""
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
 
     def watch():
-        while os.getppid() == parent:
-            time.sleep(poll)
+        parent.join()
         os._exit(1)
 
     threading.Thread(target=watch, daemon=True).start()
@@ -254,7 +258,6 @@ def parallel_stream(load_args: tuple, max_tokens: int, sampling, eos_token_ids, 
     thread), so two workers gave 1.5x the rate on 2 cores; on a GPU use one.
     Every response has the same seed as in one process, so the data does not
     depend on ``workers``."""
-    import multiprocessing
     import queue
 
     def generate(prompts: list, batch_size: int, samples: list) -> Iterator[tuple]:

@@ -176,7 +176,7 @@ def test_a_worker_leaves_when_its_parent_is_killed(tmp_path):
         from redrafter_mlx.distill import leave_with_parent
 
         def child():
-            leave_with_parent(poll=0.1)
+            leave_with_parent()
             time.sleep(600)
 
         if __name__ == "__main__":
