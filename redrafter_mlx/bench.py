@@ -90,9 +90,7 @@ class ConfigResult:
     redrafter_tps: list = field(default_factory=list)  # per batch and repeat
     baseline_tps: list = field(default_factory=list)
     speedups: dict = field(default_factory=dict)  # batch index -> one speed-up per repeat
-    steps: int = 0
-    step_tokens: int = 0
-    step_nodes: int = 0
+    counts: dict = field(default_factory=dict)  # batch index -> [steps, tokens emitted by steps, nodes, tokens], over repeats
     timing: StepTiming = field(default_factory=StepTiming)
     peak_memory_gb: float = 0.0
     mismatches: int = 0  # outputs that differ from the baseline's
@@ -103,6 +101,7 @@ class ConfigResult:
         # A batch counts once, by the median of its repeats: on a noisy
         # machine one run per batch spreads its speed-up by tens of percent.
         per_batch = [statistics.median(runs) for runs in self.speedups.values()]
+        steps, step_tokens, step_nodes, _ = (sum(c[i] for c in self.counts.values()) for i in range(4))
         return {
             "config": self.name,
             "baseline_tps": statistics.median(self.baseline_tps),
@@ -112,8 +111,14 @@ class ConfigResult:
             "speedup_max": max(per_batch),
             "speedups": per_batch,
             "speedup_runs": list(self.speedups.values()),
-            "tokens_per_step": self.step_tokens / self.steps if self.steps else 0.0,
-            "nodes_per_step": self.step_nodes / self.steps if self.steps else 0.0,
+            "tokens_per_step": step_tokens / steps if steps else 0.0,
+            "nodes_per_step": step_nodes / steps if steps else 0.0,
+            # What each batch's speed-up came with: a slow batch is short answers or few tokens per step.
+            "per_batch": [
+                {"tokens_per_step": c[1] / c[0] if c[0] else 0.0, "nodes_per_step": c[2] / c[0] if c[0] else 0.0,
+                 "tokens": c[3] / len(self.speedups[b])}
+                for b, c in self.counts.items()
+            ],
             "time_split": {
                 "host": t.host / split if split else 0.0,
                 "drafting": t.drafting / split if split else 0.0,
@@ -220,9 +225,9 @@ def run_benchmark(
                 r.baseline_tps.append(baseline.tokens_per_second)
                 r.redrafter_tps.append(run.tokens_per_second)
                 r.speedups.setdefault(b, []).append(run.tokens_per_second / baseline.tokens_per_second)
-                r.steps += run.steps
-                r.step_tokens += run.step_tokens
-                r.step_nodes += run.step_nodes
+                counts = r.counts.setdefault(b, [0, 0, 0, 0])
+                for i, n in enumerate((run.steps, run.step_tokens, run.step_nodes, sum(len(t) for t in run.tokens))):
+                    counts[i] += n
                 r.peak_memory_gb = max(r.peak_memory_gb, run.peak_memory_gb)
                 r.mismatches += sum(a != b for a, b in zip(run.tokens, baseline.tokens))
                 if progress:

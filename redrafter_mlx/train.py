@@ -194,23 +194,32 @@ def _shard_hidden(base, shard: Path, batch_tokens: int) -> None:
     if target.exists() and np.load(target, mmap_mode="r").shape == (int(counts.sum()), base.hidden_size):
         return
     starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
-    order = np.argsort(lengths, kind="stable")
-    parts, i = [None] * len(lengths), 0
-    while i < len(order):
-        j = i + 1
-        while j < len(order) and lengths[order[j]] * (j + 1 - i) <= batch_tokens:
-            j += 1
-        members = order[i:j]
-        batch = np.zeros((j - i, int(lengths[members[-1]])), np.int32)
+    parts = [None] * len(lengths)
+    for members in length_batches(lengths, batch_tokens):
+        batch = np.zeros((len(members), int(lengths[members[-1]])), np.int32)
         for row, k in enumerate(members):
             batch[row, : lengths[k]] = tokens[starts[k] : starts[k] + lengths[k]]
         hidden = np.array(base.backbone(mx.array(batch)).astype(mx.float16))
         for row, k in enumerate(members):
             parts[k] = hidden[row, prompt_lengths[k] - 1 : lengths[k] - 1]
-        i = j
     temporary = target.with_name("." + target.name + ".tmp.npy")
     np.save(temporary, np.concatenate(parts))
     os.replace(temporary, target)
+
+
+def length_batches(lengths: np.ndarray, batch_tokens: int) -> list[np.ndarray]:
+    """Indices of sequences grouped in order of length, shortest first, each
+    group as large as fits ``batch_tokens`` padded positions (its longest
+    length times its size; a longer sequence makes a group alone)."""
+    order = np.argsort(lengths, kind="stable")
+    groups, i = [], 0
+    while i < len(order):
+        j = i + 1
+        while j < len(order) and lengths[order[j]] * (j + 1 - i) <= batch_tokens:
+            j += 1
+        groups.append(order[i:j])
+        i = j
+    return groups
 
 
 class StackedRows:

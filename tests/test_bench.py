@@ -23,9 +23,15 @@ def test_sampled_mlx_lm_baseline_emits_the_seeded_redrafter_tokens():
     assert other.tokens != baseline.tokens  # the draws depend on the seed: the equality above is not vacuous
 
 
-def test_a_batch_counts_once_by_the_median_of_its_repeats():
-    result = ConfigResult("auto", redrafter_tps=[1.0], baseline_tps=[1.0], speedups={0: [1.0, 2.0, 3.0], 1: [0.5, 0.6, 10.0]})
+def test_a_batch_counts_once_by_the_median_of_its_repeats_and_keeps_its_step_counts():
+    counts = {0: [30, 75, 150, 75], 1: [60, 90, 240, 96]}  # steps, step tokens, nodes, tokens over 3 repeats
+    result = ConfigResult("auto", redrafter_tps=[1.0], baseline_tps=[1.0], speedups={0: [1.0, 2.0, 3.0], 1: [0.5, 0.6, 10.0]}, counts=counts)
     summary = result.summary()
     assert summary["speedups"] == [2.0, 0.6]
     assert (summary["speedup_min"], summary["speedup_max"]) == (0.6, 2.0)  # not the single runs' 0.5 and 10
     assert summary["speedup_median"] == 1.3
+    assert summary["per_batch"] == [
+        {"tokens_per_step": 2.5, "nodes_per_step": 5.0, "tokens": 25.0},
+        {"tokens_per_step": 1.5, "nodes_per_step": 4.0, "tokens": 32.0},
+    ]
+    assert (summary["tokens_per_step"], summary["nodes_per_step"]) == (165 / 90, 390 / 90)

@@ -17,6 +17,7 @@ from redrafter_mlx.train import (
     build_positions,
     compute_hidden_cache,
     drafter_loss,
+    length_batches,
     lookup_depths,
     train,
 )
@@ -108,6 +109,15 @@ def make_trainer(setup, output, **overrides):
     positions = build_positions(sequences, config.depth, config.eval_fraction, with_lookup=config.lookup_weight != 1)
     vocab = build_draft_vocab(sequences, config.draft_vocab) if config.draft_vocab else None
     return Trainer(base, positions, hidden, config, str(output), vocab)
+
+
+def test_length_batches_cover_every_sequence_once_within_the_budget():
+    lengths = np.array([5, 40, 12, 12, 3, 100, 7, 30])
+    groups = length_batches(lengths, 36)
+    assert sorted(np.concatenate(groups).tolist()) == list(range(8))
+    assert [lengths[g].tolist() for g in groups] == [[3, 5, 7], [12, 12], [30], [40], [100]]
+    for g in groups:  # longest times size within the budget, or one sequence alone
+        assert len(g) == 1 or lengths[g].max() * len(g) <= 36
 
 
 def test_hidden_cache_matches_the_base_model(setup):
