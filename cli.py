@@ -57,6 +57,7 @@ TOP_P = typer.Option(1.0, "--top-p", help="Nucleus sampling: keep the most likel
 TOP_K = typer.Option(0, "--top-k", help="Keep only the k most likely tokens; 0 keeps all.")
 MIN_P = typer.Option(0.0, "--min-p", help="Drop tokens less likely than min-p times the most likely one; 0 keeps all.")
 REPETITION_PENALTY = typer.Option(None, "--repetition-penalty", help="Penalty > 1 for tokens among the last 20; off by default.")
+LOG_PROMPTS = typer.Option(None, "--log-prompts", help="Append each prompt answered to this JSONL file (conversations as \"messages\", raw completions as \"tokens\"); `distill --prompts FILE` makes a drafter's training data from it. Off by default.")
 SEED = typer.Option(0, "--seed", help="Random seed. Line i of --prompts samples with its own seed, derived from (seed, i), so copies of a prompt draw independently and a line's output does not depend on --batch-size.")
 
 
@@ -95,7 +96,7 @@ def _dtype(value: Optional[str]) -> Optional[str]:
 @app.command()
 def generate(
     prompt: str = typer.Option("hello", "--prompt", "-p", help="Message for the model; '-' reads it from stdin."),
-    prompts_file: Optional[str] = typer.Option(None, "--prompts", help="JSONL file with a \"prompt\" per line: generate for each (batched), printing one JSON object per line in input order."),
+    prompts_file: Optional[str] = typer.Option(None, "--prompts", help="JSONL file with a \"prompt\", \"messages\" or \"tokens\" per line (as `distill --prompts`): generate for each (batched), printing one JSON object per line in input order."),
     batch_size: int = typer.Option(1, "--batch-size", "-b", help="With --prompts: prompts generated together."),
     model: Optional[str] = MODEL,
     drafter: Optional[str] = DRAFTER,
@@ -192,27 +193,30 @@ def chat(
     lookup_max_ngram: int = LOOKUP_MAX_NGRAM,
     lookup_beams: int = LOOKUP_BEAMS,
     system_prompt: Optional[str] = typer.Option(None, "--system-prompt", help="System message at the start of the conversation."),
+    log_prompts: Optional[str] = LOG_PROMPTS,
     dtype: Optional[str] = DTYPE,
 ):
     """Chat with the model; answers stream as ReDrafter accepts them."""
     from redrafter_mlx.chat import chat_loop
     from redrafter_mlx.generate import check_settings
     from redrafter_mlx.loading import load
+    from redrafter_mlx.prompts import PromptLog
 
     choose = _sampling(temp, top_p, top_k, min_p, repetition_penalty, seed)
     draft = _draft(drafter, beam_width, beam_length, max_nodes, no_lookup, lookup_max_ngram, lookup_beams)
     check_settings(max_tokens, draft)
+    prompt_log = PromptLog(log_prompts, warn=lambda line: typer.echo(line, err=True)) if log_prompts else None
     redrafter, tokenizer = load(model, drafter, dtype=_dtype(dtype))
     if not tokenizer.has_chat_template:
         fail("this model's tokenizer has no chat template; use `redrafter-mlx generate`")
-    chat_loop(redrafter, tokenizer, max_tokens, system_prompt, choose=choose, **vars(draft))
+    chat_loop(redrafter, tokenizer, max_tokens, system_prompt, prompt_log=prompt_log, choose=choose, **vars(draft))
 
 
 @app.command()
 def bench(
     model: Optional[str] = MODEL,
     drafter: Optional[str] = DRAFTER,
-    prompts_file: Optional[str] = typer.Option(None, "--prompts", help="JSONL file with a \"prompt\" per line; default: 8 built-in prompts."),
+    prompts_file: Optional[str] = typer.Option(None, "--prompts", help="JSONL file with a \"prompt\", \"messages\" or \"tokens\" per line (as `distill --prompts`); default: 8 built-in prompts."),
     num_prompts: int = typer.Option(8, "--num-prompts", help="Use the first N prompts (after --every)."),
     every: int = typer.Option(1, "--every", help="Use every K-th prompt of the file (a spread-out subset)."),
     max_tokens: int = typer.Option(128, "--max-tokens", "-n", help="Tokens generated per prompt."),
@@ -279,7 +283,7 @@ def bench(
 
 @app.command()
 def distill(
-    prompts: Optional[str] = typer.Option(None, "--prompts", help="JSONL file with a \"prompt\" field per line (the chat template is applied)."),
+    prompts: Optional[str] = typer.Option(None, "--prompts", help="JSONL file with a prompt per line: a \"prompt\" user message or a \"messages\" conversation (the chat template is applied), or \"tokens\" (token ids); `serve --log-prompts` and `chat --log-prompts` write such files."),
     self_prompts: Optional[int] = typer.Option(None, "--self-prompts", help="Instead of --prompts: the model writes N distinct user turns itself (sampled at temperature 1 from its chat template's user-turn header; empty, truncated and repeated ones dropped), kept in OUTPUT/self-prompts.jsonl, then answers them."),
     output: str = typer.Option(..., "--output", "-o", help="Data folder to create, or to resume."),
     model: Optional[str] = MODEL,
@@ -496,6 +500,7 @@ def serve(
     no_lookup: bool = NO_LOOKUP,
     lookup_max_ngram: int = LOOKUP_MAX_NGRAM,
     lookup_beams: int = LOOKUP_BEAMS,
+    log_prompts: Optional[str] = LOG_PROMPTS,
     dtype: Optional[str] = DTYPE,
 ):
     """Serve the model over an OpenAI-compatible HTTP API, batching concurrent requests."""
@@ -506,6 +511,9 @@ def serve(
     if max_body_bytes < 1:
         fail(f"--max-body-bytes must be at least 1, got {max_body_bytes}")
     draft = _draft(drafter, beam_width, beam_length, max_nodes, no_lookup, lookup_max_ngram, lookup_beams)
+    from redrafter_mlx.prompts import PromptLog
+
+    prompt_log = PromptLog(log_prompts, warn=lambda line: typer.echo(line, err=True)) if log_prompts else None
     sock = _listen(host, port)
     import uvicorn
 
@@ -518,7 +526,7 @@ def serve(
     typer.echo("measuring this machine's verification cost (cached after the first time)...", err=True)
     scheduler.start()
     name = os.path.basename(model.rstrip("/")) if model else "SmolLM2-135M-Instruct"
-    server = Server(scheduler, tokenizer, name, max_tokens, redrafter.base.max_context, max_body_bytes)
+    server = Server(scheduler, tokenizer, name, max_tokens, redrafter.base.max_context, max_body_bytes, prompt_log)
     where = f"[{host}]" if ":" in host else host
     typer.echo(f"serving {name} at http://{where}:{port}/v1 (chat/completions, completions, models; /health); Ctrl-C stops", err=True)
     config = uvicorn.Config(server.app(), log_level="warning", timeout_graceful_shutdown=3)

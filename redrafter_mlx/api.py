@@ -9,6 +9,7 @@ from typing import Iterator, Optional, Sequence, Union
 import mlx.core as mx
 
 from .drafting import DraftSettings
+from .errors import UserError
 from .generate import Chooser, ReDrafter, StepTiming, generate_steps, greedy
 from .prompt_cache import PromptCache
 
@@ -49,18 +50,26 @@ class GenerationResponse:
     cached_tokens: int = 0
 
 
-def encode_prompt(tokenizer, prompt: Union[str, Sequence[int]], chat_template: bool = True) -> list:
-    """Token ids for a prompt, as mlx-lm's generate command makes them: the
-    chat template applied when the tokenizer has one (unless
-    ``chat_template`` is False), else the text encoded as it is."""
-    if not isinstance(prompt, str):
+def encode_prompt(tokenizer, prompt: Union[str, Sequence], chat_template: bool = True) -> list:
+    """Token ids for a prompt, as mlx-lm's generate command makes them: for
+    a user message (str), the chat template applied when the tokenizer has
+    one (unless ``chat_template`` is False), else the text encoded as it is;
+    a conversation (a list of ``{"role", "content"}``) always goes through
+    the chat template; token ids are used as they are."""
+    if isinstance(prompt, str):
+        use_template = chat_template and tokenizer.has_chat_template
+        if not use_template:
+            return tokenizer.encode(prompt)
+        prompt = [{"role": "user", "content": prompt}]
+    elif len(prompt) == 0 or not isinstance(prompt[0], dict):
         return list(prompt)
-    use_template = chat_template and tokenizer.has_chat_template
-    if use_template:
-        prompt = tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
-        )
-    return tokenizer.encode(prompt, add_special_tokens=not use_template)
+    if not tokenizer.has_chat_template:
+        raise UserError("a conversation needs a chat template, and this model's tokenizer has none")
+    try:
+        text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+    except Exception as e:  # the template's own checks (roles, order)
+        raise UserError(f"the chat template refused the conversation ({e})") from None
+    return tokenizer.encode(text, add_special_tokens=False)
 
 
 def stream_generate(

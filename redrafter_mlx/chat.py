@@ -4,7 +4,7 @@ import signal
 import time
 from dataclasses import dataclass
 
-from .api import stream_generate
+from .api import encode_prompt, stream_generate
 from .prompt_cache import make_prompt_cache
 
 HELP = "Commands: /reset clears the conversation, /stats shows speed figures, /quit leaves (or Ctrl-D). Ctrl-C stops an answer."
@@ -42,8 +42,7 @@ def answer(redrafter, tokenizer, messages: list, max_tokens: int, write, prompt_
     text, stats, interrupted = "", Stats(), False
     tic = time.perf_counter()
     try:
-        prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
+        prompt_ids = encode_prompt(tokenizer, messages)
         for response in stream_generate(redrafter, tokenizer, prompt_ids, max_tokens, prompt_cache=prompt_cache, **generation):
             if response.num_accepted is None:
                 stats.first_token_seconds, stats.cached_tokens = time.perf_counter() - tic, response.cached_tokens
@@ -56,8 +55,9 @@ def answer(redrafter, tokenizer, messages: list, max_tokens: int, write, prompt_
     return text, stats, interrupted
 
 
-def chat_loop(redrafter, tokenizer, max_tokens: int, system_prompt=None, read=input, write=print, **generation) -> None:
-    """Read a message, stream the answer, repeat; see HELP."""
+def chat_loop(redrafter, tokenizer, max_tokens: int, system_prompt=None, read=input, write=print, prompt_log=None, **generation) -> None:
+    """Read a message, stream the answer, repeat; see HELP. With
+    ``prompt_log`` (a ``PromptLog``), each conversation answered is logged."""
     # A shell starts background jobs with SIGINT ignored, and Python then
     # never raises KeyboardInterrupt; Ctrl-C must stop an answer regardless.
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -97,6 +97,8 @@ def chat_loop(redrafter, tokenizer, max_tokens: int, system_prompt=None, read=in
         if not command:
             continue
         messages.append({"role": "user", "content": query})
+        if prompt_log is not None:
+            prompt_log.add(messages)
         text, last, interrupted = answer(redrafter, tokenizer, messages, max_tokens, out, cache, **generation)
         session.add(last)
         # What was shown is what the model said, so a stopped answer stays

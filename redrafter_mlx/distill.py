@@ -338,6 +338,9 @@ def distill(
     too_long = [i for i in tokenized if base.max_context and len(tokenized[i]) >= base.max_context]
     if too_long:
         raise UserError(f"prompt on line {too_long[0] + 1} does not fit the model's context")
+    foreign = [i for i in tokenized if any(t >= base.vocab_size for t in tokenized[i])]
+    if foreign:
+        raise UserError(f"prompt on line {foreign[0] + 1} holds token ids outside the model's vocabulary ({base.vocab_size})")
     order = sorted(todo, key=lambda unit: len(tokenized[unit[0]]))
     bar = tqdm(total=len(prompts) * samples, initial=len(prompts) * samples - len(todo), unit="response", disable=not progress, dynamic_ncols=True)
     new_tokens, start, pending = 0, time.perf_counter(), []

@@ -196,6 +196,8 @@ class RowTracker:
 def check_prompts(base: BaseModel, prompts: Sequence[Sequence[int]]) -> None:
     if not prompts or any(len(p) == 0 for p in prompts):
         raise UserError("every prompt needs at least one token")
+    if any(not 0 <= t < base.vocab_size for p in prompts for t in p):
+        raise UserError(f"prompt token ids must be in [0, {base.vocab_size})")
     longest = max(len(p) for p in prompts)
     if base.max_context and longest >= base.max_context:
         raise UserError(

@@ -23,7 +23,9 @@ from starlette.requests import ClientDisconnect, Request as HTTPRequest
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
+from .api import encode_prompt
 from .errors import UserError
+from .prompts import PromptLog
 from .sampling import MASK64, SamplingSettings
 from .scheduler import Event, Request, Scheduler
 from .stop_strings import StopStrings
@@ -52,6 +54,7 @@ class Job:
     stream: bool
     include_usage: bool
     chat: bool
+    logged: list  # what a prompt log keeps: the conversation, or the token ids
 
 
 def _number(body: dict, name: str, default, low=None, high=None, integer=False, low_open=False):
@@ -79,11 +82,16 @@ class Server:
     """The request handlers, for one loaded model.
 
     max_tokens: the default when a request names none. max_context: the
-    model's context (prompts must be shorter), None if unknown.
+    model's context (prompts must be shorter), None if unknown. prompt_log:
+    where each valid request's prompt is appended (chat requests as their
+    conversation, completions as token ids), or None.
     """
 
-    def __init__(self, scheduler: Scheduler, tokenizer, model_name: str, max_tokens: int, max_context: Optional[int], max_body_bytes: int = MAX_BODY_BYTES):
-        self.scheduler, self.tokenizer, self.model_name = scheduler, tokenizer, model_name
+    def __init__(
+        self, scheduler: Scheduler, tokenizer, model_name: str, max_tokens: int, max_context: Optional[int],
+        max_body_bytes: int = MAX_BODY_BYTES, prompt_log: Optional[PromptLog] = None,
+    ):
+        self.scheduler, self.tokenizer, self.model_name, self.prompt_log = scheduler, tokenizer, model_name, prompt_log
         self.max_tokens, self.max_context, self.max_body_bytes = max_tokens, max_context, max_body_bytes
         self.created = int(time.time())
 
@@ -126,6 +134,8 @@ class Server:
             return error_response(str(e), e.status, e.param)
         except ClientDisconnect:
             return error_response("the client went away", 400)
+        if self.prompt_log is not None:
+            self.prompt_log.add(job.logged)
         ticket = self.scheduler.submit(job.request, asyncio.get_running_loop())
         name = "chatcmpl" if chat else "cmpl"
         answer = Answer(self, job, ticket, f"{name}-{secrets.token_hex(12)}")
@@ -155,7 +165,10 @@ class Server:
 
     def parse(self, body: dict, chat: bool) -> Job:
         """Validate a request body; raises BadRequest naming the problem."""
-        prompt = self._chat_prompt(body) if chat else self._completion_prompt(body)
+        if chat:
+            prompt, logged = self._chat_prompt(body)
+        else:
+            prompt = logged = self._completion_prompt(body)
         if not prompt:
             raise BadRequest("the prompt is empty", "messages" if chat else "prompt")
         if self.max_context and len(prompt) >= self.max_context:
@@ -185,9 +198,10 @@ class Server:
         options = body.get("stream_options") or {}
         if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
             raise BadRequest("'stream_options' must be an object with a boolean 'include_usage'", "stream_options")
-        return Job(Request(prompt, max_tokens, sampling), self._stops(body.get("stop")), stream, options.get("include_usage", False), chat)
+        return Job(Request(prompt, max_tokens, sampling), self._stops(body.get("stop")), stream, options.get("include_usage", False), chat, logged)
 
-    def _chat_prompt(self, body: dict) -> list:
+    def _chat_prompt(self, body: dict) -> tuple[list, list]:
+        """(token ids, the conversation as a list of text messages)"""
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise BadRequest("'messages' must be a non-empty list of messages", "messages")
@@ -199,10 +213,9 @@ class Server:
         if not getattr(self.tokenizer, "has_chat_template", False):
             raise BadRequest("this model has no chat template; use /v1/completions", "messages")
         try:
-            text = self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
-        except Exception as e:  # the template's own checks (roles, order)
-            raise BadRequest(f"the chat template refused the messages ({e})", "messages") from None
-        return self.tokenizer.encode(text, add_special_tokens=False)
+            return encode_prompt(self.tokenizer, conversation), conversation
+        except UserError as e:
+            raise BadRequest(str(e), "messages") from None
 
     def _completion_prompt(self, body: dict) -> list:
         prompt = body.get("prompt")

@@ -55,3 +55,29 @@ def test_chat_session():
     finally:
         child.close(force=True)
     assert child.exitstatus == 0, child.before
+
+
+def test_each_conversation_answered_is_logged(chat_model, tmp_path):
+    from redrafter_mlx.chat import chat_loop
+    from redrafter_mlx.loading import load
+    from redrafter_mlx.prompts import PromptLog, read_prompts
+
+    redrafter, tokenizer = load(chat_model[0], chat_model[1])
+    lines = iter(["w1 w2", "/stats", "", "w3", "/reset", "w4"])
+
+    def read(_):
+        try:
+            return next(lines)
+        except StopIteration:
+            raise EOFError from None
+
+    path = tmp_path / "log.jsonl"
+    log = PromptLog(str(path))
+    shown = []
+    chat_loop(redrafter, tokenizer, 3, "be brief", read=read, write=lambda *a, **k: shown.append(a), prompt_log=log)
+    log.close()
+    system = {"role": "system", "content": "be brief"}
+    first, second, third = read_prompts(str(path))
+    assert first == [system, {"role": "user", "content": "w1 w2"}]
+    assert second[:2] == first and second[2]["role"] == "assistant" and second[3] == {"role": "user", "content": "w3"}
+    assert third == [system, {"role": "user", "content": "w4"}]

@@ -122,7 +122,7 @@ def test_bad_drafters_and_prompts(smol_drafter, tmp_path):
     assert_clean_error(run_cli("generate", "--drafter", smol_drafter, "--prompts", empty), "holds no prompts")
     no_field = tmp_path / "nofield.jsonl"
     no_field.write_text('{"text": "hi"}\n')
-    assert_clean_error(run_cli("generate", "--drafter", smol_drafter, "--prompts", no_field), '"prompt" field')
+    assert_clean_error(run_cli("generate", "--drafter", smol_drafter, "--prompts", no_field), 'needs a "prompt" string')
 
 
 def test_distill_then_train_on_two_folders_gives_a_drafter_generate_loads(tmp_path):
@@ -330,3 +330,27 @@ def test_self_prompts_bad_input_gets_one_error_line_and_loses_nothing(chat_model
     assert_clean_error(run_cli("distill", "--model", model, "--self-prompts", 4, "-o", folder), "different settings (model)")
     assert (folder / "meta.json").read_text() == meta
     assert "kept" in (folder / "self-prompts.jsonl").read_text()
+
+
+def test_distill_answers_a_prompt_log_and_the_log_option_fails_cleanly(chat_model, tmp_path):
+    from mlx_lm.utils import load_tokenizer
+
+    from redrafter_mlx.api import encode_prompt
+    from redrafter_mlx.distill import DataFolder
+
+    model = chat_model[0]
+    conversation = [{"role": "system", "content": "w3"}, {"role": "user", "content": "w1 w2"}]
+    log = tmp_path / "log.jsonl"
+    log.write_text(json.dumps({"messages": conversation}) + "\n" + json.dumps({"tokens": [4, 5, 6]}) + "\n")
+    result = run_cli("distill", "--model", model, "--prompts", log, "--output", tmp_path / "d", "--max-tokens", 4)
+    assert result.returncode == 0, result.stderr
+    data = DataFolder(str(tmp_path / "d")).load()
+    prompts = {int(i): data.sequence(n)[: data.prompt_lengths[n]].tolist() for n, i in enumerate(data.prompt_index)}
+    assert prompts == {0: encode_prompt(load_tokenizer(model), conversation), 1: [4, 5, 6]}
+
+    foreign = tmp_path / "foreign.jsonl"
+    foreign.write_text('{"tokens": [1, 99999]}\n')
+    assert_clean_error(run_cli("distill", "--model", model, "--prompts", foreign, "-o", tmp_path / "e"), "line 1 holds token ids outside the model's vocabulary")
+    assert_clean_error(run_cli("generate", "--model", model, "--drafter", "none", "--prompts", foreign), "prompt token ids must be in [0, ")
+    for command in ("chat", "serve"):
+        assert_clean_error(run_cli(command, "--model", model, "--log-prompts", tmp_path / "no" / "log.jsonl"), "cannot write the prompt log")

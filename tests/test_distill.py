@@ -1,7 +1,6 @@
 """Distillation data: batched greedy generation, shards, resume, bad input."""
 
 import errno
-import json
 
 import numpy as np
 import pytest
@@ -9,7 +8,6 @@ from conftest import tiny_model
 
 from redrafter_mlx.base_model import BaseModel
 from redrafter_mlx.distill import DataFolder, distill, response_stream
-from redrafter_mlx.prompts import read_prompts
 from redrafter_mlx.sampling import SamplingSettings
 from redrafter_mlx.errors import UserError
 
@@ -134,30 +132,6 @@ def test_folder_for_another_model_or_other_settings_is_refused(base, tmp_path):
     with pytest.raises(UserError, match="not a distillation data folder"):
         run(base, tmp_path / "other")
     assert (tmp_path / "other" / "notes.txt").read_text() == "mine"
-
-
-@pytest.mark.parametrize(
-    "content, message",
-    [
-        ("", "holds no prompts"),
-        ('{"prompt": "a"}\nnot json\n', "line 2: not valid JSON"),
-        ('{"text": "a"}\n', 'line 1: needs a "prompt" field'),
-        ('["a"]\n', 'line 1: needs a "prompt" field'),
-    ],
-)
-def test_bad_prompts_files(tmp_path, content, message):
-    path = tmp_path / "p.jsonl"
-    path.write_text(content)
-    with pytest.raises(UserError, match=message):
-        read_prompts(str(path))
-
-
-def test_prompts_file_reading(tmp_path):
-    path = tmp_path / "p.jsonl"
-    path.write_text("\n".join(json.dumps({"id": i, "prompt": p}) for i, p in enumerate(PROMPTS)) + "\n\n")
-    assert read_prompts(str(path)) == PROMPTS
-    with pytest.raises(UserError, match="not found"):
-        read_prompts(str(tmp_path / "missing.jsonl"))
 
 
 def test_a_worker_leaves_when_its_parent_is_killed(tmp_path):

@@ -28,10 +28,14 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def server(chat_model):
+def server(chat_model, tmp_path_factory):
     model, drafter = chat_model[:2]
     port = free_port()
-    args = ["serve", "--model", model, "--drafter", drafter, "--port", port, "--max-batch", MAX_BATCH, "--max-tokens", 16, "--max-body-bytes", BODY_LIMIT]
+    log = tmp_path_factory.mktemp("server") / "prompts.jsonl"
+    args = [
+        "serve", "--model", model, "--drafter", drafter, "--port", port, "--max-batch", MAX_BATCH, "--max-tokens", 16,
+        "--max-body-bytes", BODY_LIMIT, "--log-prompts", log,
+    ]
     process = subprocess.Popen(
         [sys.executable, "-m", "redrafter_mlx.cli", *map(str, args)],
         cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -48,7 +52,7 @@ def server(chat_model):
             process.kill()
             pytest.fail(f"the server did not start: {process.communicate()[1]}")
         time.sleep(0.2)
-    yield url, port, model
+    yield url, port, model, str(log)
     process.send_signal(signal.SIGINT)
     try:
         process.wait(30)
@@ -282,6 +286,22 @@ def test_bad_requests_get_an_openai_style_error_and_the_server_goes_on(server, c
     error = response.json()["error"]
     assert message in error["message"] and error["type"] == "invalid_request_error"
     assert chat(client, "w1", max_tokens=1).usage.completion_tokens == 1
+
+
+def test_the_prompt_log_keeps_each_valid_request_as_distill_reads_it(server, client, reference):
+    from redrafter_mlx.api import encode_prompt
+    from redrafter_mlx.prompts import read_prompts
+
+    question, ids = "w41 w42 w43 pick", [9, 8, 7, 6]
+    chat(client, question, max_tokens=2)
+    httpx.post(server[0] + "/v1/completions", json={"prompt": ids, "max_tokens": 2}).raise_for_status()
+    refused = httpx.post(server[0] + "/v1/completions", json={"prompt": [5, 5, 5], "max_tokens": 2, "n": 2})
+    assert refused.status_code == 400
+    logged = read_prompts(server[3])
+    conversation = [{"role": "user", "content": question}]
+    assert logged[-2:] == [conversation, ids]
+    assert encode_prompt(reference.tokenizer, logged[-2]) == reference(question)[0]
+    assert [5, 5, 5] not in logged
 
 
 def test_a_port_in_use_is_one_clear_error(server):
