@@ -46,11 +46,13 @@ from redrafter_mlx.loading import load_base_model
 from redrafter_mlx.train import build_draft_vocab, draft_index_map, length_batches, lookup_depths
 
 
-def folder_sequences(base, path: str, shards: int, work: Path) -> list[dict]:
+def folder_sequences(base, path: str, shards: int, work: Path, max_positions: int = 0) -> list[dict]:
     """Each sequence of the folder's first ``shards`` shards (0: all) as
     tokens (L,), h (L-1, hidden) float16 for t = 0 .. L-2, prompt length P
-    and prompt index. Prompt states come from the backbone, once per prompt
-    (the samples of a prompt share them), cached in ``work``."""
+    and prompt index; with ``max_positions``, only the first sequences
+    whose responses hold that many positions in all. Prompt states come
+    from the backbone, once per prompt (the samples of a prompt share them),
+    cached in ``work``."""
     folder = DataFolder(path)
     folder.check_model(base.vocab_size, base.hidden_size)
     cache_file = work / f"prompt-hidden-{Path(path).name}.npz"
@@ -60,6 +62,11 @@ def folder_sequences(base, path: str, shards: int, work: Path) -> list[dict]:
         with np.load(shard) as data:
             index, prompt_lengths, lengths, tokens = (data[k] for k in ("prompt_index", "prompt_lengths", "lengths", "tokens"))
         response_hidden = np.load(hidden_path(shard))
+        full = keep = len(lengths)
+        if max_positions:
+            room = max_positions - sum(len(o["tokens"]) - o["P"] for o in out)
+            keep = int(np.searchsorted(np.cumsum(lengths - prompt_lengths), room, side="right"))
+            index, prompt_lengths, lengths = index[:keep], prompt_lengths[:keep], lengths[:keep]
         starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
         rows = np.concatenate([[0], np.cumsum(lengths - prompt_lengths)[:-1]])
         missing = {str(i): tokens[s : s + p - 1] for i, s, p in zip(index, starts, prompt_lengths) if str(i) not in prompt_hidden}
@@ -67,6 +74,8 @@ def folder_sequences(base, path: str, shards: int, work: Path) -> list[dict]:
         for i, s, r, p, n in zip(index, starts, rows, prompt_lengths, lengths):
             h = np.concatenate([prompt_hidden[str(i)], response_hidden[r : r + n - p]])
             out.append({"tokens": tokens[s : s + n].astype(np.int32), "h": h, "P": int(p), "index": int(i)})
+        if keep < full:
+            break
     np.savez(cache_file, **prompt_hidden)
     return out
 
@@ -161,7 +170,7 @@ def accuracy(predict, sequences: list[dict], to_draft: np.ndarray, size: int) ->
     return {"depth1": round(hits / total, 4), "depth1_where_lookup_wrong": round(miss_hits / miss_total, 4), "positions": int(total)}
 
 
-def train(base, model_args, attention: bool, train_set, held_out, dev, draft_ids, args) -> dict:
+def train(base, model_args, attention: bool, train_set, evals: dict, draft_ids, args) -> dict:
     mx.random.seed(0)
     size = base.hidden_size
     to_draft = draft_index_map(base.vocab_size, draft_ids)
@@ -195,12 +204,11 @@ def train(base, model_args, attention: bool, train_set, held_out, dev, draft_ids
     result = {"attention": attention, "steps": args.steps, "train_s": round(time.time() - start), "epochs": epoch}
     ids = mx.array(draft_ids)
     predict = lambda h, x: ids[mx.argmax(drafter(h, embed(x)) @ head.T, axis=-1)]  # noqa: E731
-    result["held_out"] = accuracy(predict, held_out, to_draft, size)
-    result["dev"] = accuracy(predict, dev, to_draft, size)
+    result.update({name: accuracy(predict, sequences, to_draft, size) for name, sequences in evals.items()})
     return result
 
 
-def rnn_accuracy(base, path: str, held_out, dev, draft_ids) -> dict:
+def rnn_accuracy(base, path: str, evals: dict, draft_ids) -> dict:
     """The same measures for a trained RNN drafter's first depth."""
     rnn = load_drafter(path)
     to_draft = draft_index_map(base.vocab_size, draft_ids)
@@ -208,8 +216,7 @@ def rnn_accuracy(base, path: str, held_out, dev, draft_ids) -> dict:
     def predict(h, x):
         return rnn.token_ids(mx.argmax(rnn.log_probs(h, rnn.update_state(base.embed(x), None)), axis=-1))
 
-    return {"rnn": path, "held_out": accuracy(predict, held_out, to_draft, base.hidden_size),
-            "dev": accuracy(predict, dev, to_draft, base.hidden_size)}
+    return {"rnn": path, **{name: accuracy(predict, sequences, to_draft, base.hidden_size) for name, sequences in evals.items()}}
 
 
 def _update(loss_and_grad, optimizer, drafter, batch):
@@ -233,6 +240,8 @@ def main():
     parser.add_argument("--draft-vocab", type=int, default=12288)
     parser.add_argument("--variants", default="attention,none", help="What to train: attention, none (comma-separated; empty for none).")
     parser.add_argument("--rnn", action="append", default=[], help="Also measure this trained RNN drafter's first depth (repeatable).")
+    parser.add_argument("--max-positions", type=int, default=0, help="Use at most this many response positions in all: the first sequences of the --data folders, in order; 0: all.")
+    parser.add_argument("--dev-prompts", help="The dev folder's prompts file: also report dev accuracy per its lines' \"source\".")
     args = parser.parse_args()
 
     work = Path(args.work)
@@ -242,15 +251,24 @@ def main():
     train_set, held_out = [], []
     for spec in args.data:
         path, _, shards = spec.partition(":")
-        for s in folder_sequences(base, path, int(shards or 0), work):
+        room = args.max_positions - sum(len(s["tokens"]) - s["P"] for s in train_set + held_out)
+        if args.max_positions and room <= 0:
+            break
+        for s in folder_sequences(base, path, int(shards or 0), work, room if args.max_positions else 0):
             (held_out if s["index"] % 50 == 0 else train_set).append(s)  # the trainer's 2 % rule
     dev = folder_sequences(base, args.dev, 0, work)
+    evals = {"held_out": held_out, "dev": dev}
+    if args.dev_prompts:
+        sources = [json.loads(line).get("source", "") for line in open(args.dev_prompts) if line.strip()]
+        for source in sorted(set(sources)):
+            evals[f"dev:{source}"] = [s for s in dev if sources[s["index"]] == source]
     draft_ids = build_draft_vocab(_as_sequences(train_set), args.draft_vocab)
     summary = {"data": args.data, "train_sequences": len(train_set), "train_tokens": int(sum(len(s["tokens"]) for s in train_set)),
-               "train_positions": int(sum(len(s["tokens"]) - s["P"] for s in train_set)), "batch_tokens": args.batch_tokens}
+               "train_positions": int(sum(len(s["tokens"]) - s["P"] for s in train_set)), "batch_tokens": args.batch_tokens,
+               "max_positions": args.max_positions}
     print(json.dumps(summary), flush=True)
-    jobs = [lambda path=path: rnn_accuracy(base, path, held_out, dev, draft_ids) for path in args.rnn]
-    jobs += [lambda v=v: train(base, model.args, v == "attention", train_set, held_out, dev, draft_ids, args)
+    jobs = [lambda path=path: rnn_accuracy(base, path, evals, draft_ids) for path in args.rnn]
+    jobs += [lambda v=v: train(base, model.args, v == "attention", train_set, evals, draft_ids, args)
              for v in filter(None, args.variants.split(","))]
     for job in jobs:
         line = json.dumps({**summary, **job()})
