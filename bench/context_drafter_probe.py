@@ -56,6 +56,7 @@ def folder_sequences(base, path: str, shards: int, work: Path, max_positions: in
     folder = DataFolder(path)
     folder.check_model(base.vocab_size, base.hidden_size)
     cache_file = work / f"prompt-hidden-{Path(path).name}.npz"
+    used = 0
     prompt_hidden = dict(np.load(cache_file)) if cache_file.exists() else {}
     out = []
     for shard in folder.shards()[: shards or None]:
@@ -64,9 +65,9 @@ def folder_sequences(base, path: str, shards: int, work: Path, max_positions: in
         response_hidden = np.load(hidden_path(shard))
         full = keep = len(lengths)
         if max_positions:
-            room = max_positions - sum(len(o["tokens"]) - o["P"] for o in out)
-            keep = int(np.searchsorted(np.cumsum(lengths - prompt_lengths), room, side="right"))
+            keep = int(np.searchsorted(np.cumsum(lengths - prompt_lengths), max_positions - used, side="right"))
             index, prompt_lengths, lengths = index[:keep], prompt_lengths[:keep], lengths[:keep]
+            used += int((lengths - prompt_lengths).sum())
         starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
         rows = np.concatenate([[0], np.cumsum(lengths - prompt_lengths)[:-1]])
         missing = {str(i): tokens[s : s + p - 1] for i, s, p in zip(index, starts, prompt_lengths) if str(i) not in prompt_hidden}
