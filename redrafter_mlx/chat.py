@@ -1,6 +1,7 @@
 """Interactive multi-turn chat, streaming each answer as ReDrafter accepts it."""
 
 import signal
+import threading
 import time
 from dataclasses import dataclass
 
@@ -34,16 +35,23 @@ class Stats:
         return f"first token after {self.first_token_seconds:.2f} s, {self.cached_tokens} prompt tokens from the cache"
 
 
-def answer(redrafter, tokenizer, messages: list, max_tokens: int, write, prompt_cache=None, **generation) -> tuple[str, Stats, bool]:
+def answer(
+    redrafter, tokenizer, messages: list, max_tokens: int, write, prompt_cache=None, stop=None, **generation
+) -> tuple[str, Stats, bool]:
     """Stream one answer; returns (text, stats, interrupted). Ctrl-C at any
     point, prompt processing included, ends the answer where it stands.
     With ``prompt_cache``, only what the cache does not hold is prefilled,
-    and the cache then holds the conversation with this answer."""
+    and the cache then holds the conversation with this answer. ``stop`` (a
+    ``threading.Event``, set by ``chat_loop``'s Ctrl-C handler) also ends
+    it at the next step, should library code have swallowed the
+    KeyboardInterrupt."""
     text, stats, interrupted = "", Stats(), False
     tic = time.perf_counter()
     try:
         prompt_ids = encode_prompt(tokenizer, messages)
         for response in stream_generate(redrafter, tokenizer, prompt_ids, max_tokens, prompt_cache=prompt_cache, **generation):
+            if stop is not None and stop.is_set():
+                raise KeyboardInterrupt
             if response.num_accepted is None:
                 stats.first_token_seconds, stats.cached_tokens = time.perf_counter() - tic, response.cached_tokens
             write(response.text)
@@ -60,7 +68,14 @@ def chat_loop(redrafter, tokenizer, max_tokens: int, system_prompt=None, read=in
     ``prompt_log`` (a ``PromptLog``), each conversation answered is logged."""
     # A shell starts background jobs with SIGINT ignored, and Python then
     # never raises KeyboardInterrupt; Ctrl-C must stop an answer regardless.
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    # The handler also records the press, cleared before each answer.
+    pressed = threading.Event()
+
+    def on_ctrl_c(signum, frame):
+        pressed.set()
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, on_ctrl_c)
     def out(segment: str) -> None:
         write(segment, end="", flush=True)
 
@@ -99,7 +114,8 @@ def chat_loop(redrafter, tokenizer, max_tokens: int, system_prompt=None, read=in
         messages.append({"role": "user", "content": query})
         if prompt_log is not None:
             prompt_log.add(messages)
-        text, last, interrupted = answer(redrafter, tokenizer, messages, max_tokens, out, cache, **generation)
+        pressed.clear()
+        text, last, interrupted = answer(redrafter, tokenizer, messages, max_tokens, out, cache, pressed, **generation)
         session.add(last)
         # What was shown is what the model said, so a stopped answer stays
         # in the conversation as it stands.

@@ -1,5 +1,6 @@
 """`redrafter-mlx chat` driven through a pseudo-terminal, as a user would."""
 
+import io
 import os
 import sys
 
@@ -18,6 +19,7 @@ def test_chat_session():
         sys.executable, ["-m", "redrafter_mlx.cli", "chat", "--max-tokens", "2048"],
         cwd=ROOT, env=env, encoding="utf-8", timeout=180,
     )
+    child.logfile_read = transcript = io.StringIO()
     try:
         child.expect(">> ")
         child.sendline("What is the capital of France? Answer in one sentence.")
@@ -52,6 +54,8 @@ def test_chat_session():
         child.expect(">> ")
         child.sendcontrol("d")
         child.expect(pexpect.EOF)
+    except pexpect.TIMEOUT:
+        pytest.fail("timed out; the session so far:\n" + transcript.getvalue()[-4000:])
     finally:
         child.close(force=True)
     assert child.exitstatus == 0, child.before
@@ -81,3 +85,21 @@ def test_each_conversation_answered_is_logged(chat_model, tmp_path):
     assert first == [system, {"role": "user", "content": "w1 w2"}]
     assert second[:2] == first and second[2]["role"] == "assistant" and second[3] == {"role": "user", "content": "w3"}
     assert third == [system, {"role": "user", "content": "w4"}]
+
+
+def test_a_recorded_ctrl_c_ends_the_answer_at_the_next_step(chat_model):
+    """Should library code swallow the KeyboardInterrupt, the press that
+    chat's handler records still ends the answer, one step later."""
+    import threading
+
+    from redrafter_mlx.chat import answer
+    from redrafter_mlx.loading import load
+
+    redrafter, tokenizer = load(chat_model[0], chat_model[1])
+    messages = [{"role": "user", "content": "w1 w2"}]
+    _, full, interrupted = answer(redrafter, tokenizer, messages, 24, lambda segment: None)
+    assert not interrupted and full.steps > 1
+
+    stop = threading.Event()
+    _, stats, interrupted = answer(redrafter, tokenizer, messages, 24, lambda segment: stop.set(), stop=stop)
+    assert interrupted and stats.steps == 0 and stats.tokens == 1  # the prefill's token, then nothing
