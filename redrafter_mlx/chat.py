@@ -76,6 +76,7 @@ def chat_loop(redrafter, tokenizer, max_tokens: int, system_prompt=None, read=in
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGINT, on_ctrl_c)
+
     def out(segment: str) -> None:
         write(segment, end="", flush=True)
 
