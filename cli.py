@@ -294,7 +294,7 @@ def distill(
     batch_size: int = typer.Option(64, "--batch-size", "-b", help="Prompts generated together; finished ones are replaced by waiting ones."),
     limit: Optional[int] = typer.Option(None, "--limit", help="Use only the first N prompts."),
     samples: int = typer.Option(1, "--samples", help="Sampled responses per prompt (needs --temp above 0): more data from few prompts."),
-    workers: int = typer.Option(1, "--workers", help="Processes generating at once, each with its own batch of --batch-size rows and one BLAS thread. On a CPU with 2 cores, 2 workers measured 1.5x the rate of one (one process leaves a core idle during attention); on a GPU keep 1. The data does not depend on it."),
+    workers: int = typer.Option(1, "--workers", help="Processes generating at once, each with its own batch of --batch-size rows and one BLAS thread. On a CPU with 2 cores, 2 workers measured 1.3x the rate of one (one process leaves a core idle during attention and the activation, which run on one thread); on a GPU keep 1. The data does not depend on it."),
     dtype: Optional[str] = DTYPE,
 ):
     """Generate distillation data: the base model's own responses to prompts."""
