@@ -1,8 +1,8 @@
 """Where a batched decode step of the base model spends its time on this CPU.
 
 Prefills ``--batch`` of the shortest prompts of a prompts file, then times
-plain decode steps (one token per row, argmax, one sync) as distill runs
-them, and the same step with parts taken out or measured alone:
+plain decode steps (``distill_speed.raw_decode``: one token per row,
+argmax, one sync), and the same step with parts taken out or measured alone:
 - the matrix products of one step alone (every projection and the output
   head at the batch's row count), the step's floor through BLAS;
 - the step with attention replaced by its query (no scores, no softmax);
@@ -14,7 +14,9 @@ Diagnostics only: the step without attention computes wrong tokens.
 
 import argparse
 import json
+import sys
 import time
+from pathlib import Path
 
 import redrafter_mlx  # noqa: F401  (OpenBLAS)
 import mlx.core as mx
@@ -23,9 +25,11 @@ from mlx_lm.models.activations import swiglu
 
 from redrafter_mlx.api import encode_prompt
 from redrafter_mlx.base_model import BaseModel
-from redrafter_mlx.generate import prefill
 from redrafter_mlx.loading import load_base_model
 from redrafter_mlx.prompts import read_prompts
+
+sys.path.insert(0, str(Path(__file__).parent))
+from distill_speed import raw_decode  # noqa: E402
 
 
 def seconds_per_call(function, *args, repeats: int = 20) -> float:
@@ -35,20 +39,6 @@ def seconds_per_call(function, *args, repeats: int = 20) -> float:
     for _ in range(repeats):
         mx.eval(function(*args))
     return (time.perf_counter() - tic) / repeats
-
-
-def decode_step_seconds(base: BaseModel, prompts: list, steps: int) -> float:
-    layout, cache, _, logits = prefill(base, prompts)
-    token = mx.argmax(logits[:, -1], axis=-1)
-    mx.eval(token)
-    tic = time.perf_counter()
-    for _ in range(steps):
-        layout.begin_chunk()
-        _, logits = base(token[:, None], cache)
-        layout.end_chunk(1)
-        token = mx.argmax(logits[:, -1], axis=-1)
-        mx.eval(token)
-    return (time.perf_counter() - tic) / steps
 
 
 def matmul_seconds(base: BaseModel, rows: int) -> float:
@@ -73,12 +63,12 @@ def main():
     model, tokenizer = load_base_model(None, "float32")
     base = BaseModel(model)
     prompts = sorted((encode_prompt(tokenizer, p) for p in read_prompts(args.prompts)), key=len)[: args.batch]
-    step = decode_step_seconds(base, prompts, args.steps)
+    step = args.batch / raw_decode(base, prompts, args.steps)
 
     attention = mx.fast.scaled_dot_product_attention
     mx.fast.scaled_dot_product_attention = lambda q, k, v, scale, mask, sinks=None: q
     try:
-        without_attention = decode_step_seconds(base, prompts, args.steps)
+        without_attention = args.batch / raw_decode(base, prompts, args.steps)
     finally:
         mx.fast.scaled_dot_product_attention = attention
 
