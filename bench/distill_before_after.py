@@ -25,6 +25,7 @@ import numpy as np
 
 import redrafter_mlx  # noqa: F401  (OpenBLAS)
 from redrafter_mlx.api import encode_prompt
+from redrafter_mlx.distill import DataFolder
 from redrafter_mlx.loading import load_base_model
 from redrafter_mlx.prompts import read_prompts
 
@@ -53,17 +54,10 @@ def run_distill(checkout: Path, prompts: Path, output: Path, args, extra: list) 
     tic = time.perf_counter()
     subprocess.run(command, env=environment, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=checkout)
     seconds = time.perf_counter() - tic
-    tokens, responses = [], 0
-    for shard in sorted(output.glob("shard-*.npz")):
-        with np.load(shard) as data:
-            order = np.argsort(data["prompt_index"], kind="stable")
-            ends = np.cumsum(data["lengths"])
-            for i in order:
-                sequence = data["tokens"][ends[i] - data["lengths"][i] : ends[i]]
-                tokens.append((int(data["prompt_index"][i]), sequence))
-                responses += int(data["lengths"][i] - data["prompt_lengths"][i])
-    tokens.sort(key=lambda item: item[0])
-    return seconds, responses, [t for _, t in tokens]
+    data = DataFolder(str(output)).load()
+    by_prompt = sorted(range(len(data)), key=lambda i: int(data.prompt_index[i]))
+    responses = int((data.lengths - data.prompt_lengths).sum())
+    return seconds, responses, [data.sequence(i) for i in by_prompt]
 
 
 def main():
