@@ -223,7 +223,7 @@ def bench(
     temp: float = TEMP,
     top_p: float = TOP_P,
     seed: int = SEED,
-    configs: str = typer.Option("auto,lookup,rnn:4x5,both:4x5", "--configs", help="Configurations to measure, comma-separated: auto (the default settings), lookup (context lookup only), rnn:WxL (the RNN's beams, all verified), both:WxL (those and one lookup continuation)."),
+    configs: str = typer.Option("auto,lookup,rnn:4x5,both:4x5", "--configs", help="Configurations to measure, comma-separated: auto (the default settings), final (those with the RNN's final beams only, no partial beams), lookup (context lookup only), rnn:WxL (the RNN's beams, all verified), both:WxL (those and one lookup continuation)."),
     batch_size: int = typer.Option(1, "--batch-size", "-b", help="Prompts decoded together (1 compares against mlx-lm's own loop)."),
     repeats: int = typer.Option(1, "--repeats", help="Times each prompt batch is measured; its speed-up is the median of them."),
     calibrate: bool = typer.Option(False, "--calibrate", help="Measure this machine's verification cost curve again (it is cached) before the benchmark."),

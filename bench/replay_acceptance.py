@@ -21,15 +21,10 @@ import redrafter_mlx  # noqa: F401  (preloads OpenBLAS before mlx.core)
 import mlx.core as mx
 import numpy as np
 
-from redrafter_mlx.base_model import BaseModel
-from redrafter_mlx.distill import DataFolder
 from redrafter_mlx.drafter import load_drafter
 from redrafter_mlx.errors import UserError
-from redrafter_mlx.loading import load_base_model
-from redrafter_mlx.replay import accepted_lengths, in_vocabulary_lengths, tokens_per_step, with_lookup
-from redrafter_mlx.train import (
-    TrainConfig, build_positions, cached_positions, compute_hidden_cache, draft_index_map, draft_targets, drafter_loss,
-)
+from redrafter_mlx.replay import accepted_lengths, in_vocabulary_lengths, load_greedy_folder, tokens_per_step, with_lookup
+from redrafter_mlx.train import TrainConfig, build_positions, cached_positions, draft_index_map, draft_targets, drafter_loss
 
 
 def teacher_forced_accuracy(drafter, draft_token_ids, embed, hidden, windows, vocab_size, batch_size=2048):
@@ -90,14 +85,8 @@ def main():
     parser.add_argument("--later-rows", default="", help="Also replay each shape with the drafted tokens after the first taken from this many most frequent draft-vocabulary rows (comma-separated sizes).")
     args = parser.parse_args()
 
-    folder = DataFolder(args.data)
-    if (folder.meta or {}).get("temp", 0) != 0:
-        raise SystemExit(f"error: {args.data} holds sampled responses; the replay needs greedy ones")
-    base = BaseModel(load_base_model(args.model)[0])
-    folder.check_model(base.vocab_size, base.hidden_size)
+    base, sequences, hidden = load_greedy_folder(args.data, args.model)
     drafter = load_drafter(args.drafter)
-    sequences = folder.load()
-    hidden = compute_hidden_cache(base, folder, sequences, progress=False)
     shapes = [tuple(map(int, shape.split("x"))) for shape in args.shapes.split(",")]
     longest = max(length for _, length in shapes)
     config = TrainConfig()

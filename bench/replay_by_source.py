@@ -14,12 +14,9 @@ import redrafter_mlx  # noqa: F401  (preloads OpenBLAS before mlx.core)
 
 import numpy as np
 
-from redrafter_mlx.base_model import BaseModel
-from redrafter_mlx.distill import DataFolder
 from redrafter_mlx.drafter import load_drafter
-from redrafter_mlx.loading import load_base_model
-from redrafter_mlx.replay import accepted_lengths, tokens_per_step, with_lookup
-from redrafter_mlx.train import build_positions, cached_positions, compute_hidden_cache
+from redrafter_mlx.replay import accepted_lengths, load_greedy_folder, tokens_per_step, with_lookup
+from redrafter_mlx.train import build_positions, cached_positions
 
 sys.path.insert(0, str(Path(__file__).parent))
 from replay_acceptance import sequence_rows, teacher_forced_accuracy  # noqa: E402
@@ -30,10 +27,7 @@ WIDTH, LENGTH = 4, 5
 
 
 def main():
-    base = BaseModel(load_base_model(None)[0])
-    folder = DataFolder(DEV_RESPONSES)
-    sequences = folder.load()
-    hidden = compute_hidden_cache(base, folder, sequences, progress=False)
+    base, sequences, hidden = load_greedy_folder(DEV_RESPONSES)
     positions = build_positions(sequences, LENGTH, eval_fraction=0.02, with_lookup=True)
     counts = cached_positions(sequences)
     with open(DEV_PROMPTS) as f:

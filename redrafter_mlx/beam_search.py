@@ -9,6 +9,7 @@ from typing import Callable, Optional
 import mlx.core as mx
 
 from .drafter import Drafter
+from .tree import NO_TOKEN
 
 
 def _top_k(scores: mx.array, k: int) -> mx.array:
@@ -27,6 +28,7 @@ def beam_search(
     beam_width: int,
     beam_length: int,
     later_rows: Optional[int] = None,
+    partial: bool = False,
 ) -> tuple[mx.array, mx.array]:
     """Draft ``beam_width`` continuations of ``beam_length - 1`` tokens.
 
@@ -43,11 +45,21 @@ def beam_search(
             frequent tokens, the order ``train`` gives a reduced one), which
             cuts the vocabulary projection that bounds the search; None
             scores all.
+        partial: also return the partial beams the search held at each
+            depth before the last (what a search of that length would
+            return), which the final beams need not extend: the nodes the
+            search found most likely at a depth, whatever became of them.
 
     Returns:
-        beams: (batch, beam_width, beam_length) int32 token ids, best beam first.
-        draft_logprobs: (batch, beam_width, beam_length - 1), the drafter's
-            log-probability of each drafted token.
+        beams: (batch, beam_width, beam_length) int32 token ids, best beam
+            first; with ``partial``, the final beams, then the partial
+            beams of 1, 2, ... beam_length - 2 drafted tokens (as many as
+            the final ones, beam_width * (beam_length - 1) rows in all
+            unless the draft vocabulary is smaller than the width), each
+            padded with ``NO_TOKEN``.
+        draft_logprobs: (batch, rows of beams, beam_length - 1), the
+            drafter's log-probability of each drafted token (-inf past a
+            partial beam's end).
     """
     batch = first_tokens.shape[0]
     width = min(beam_width, drafter.draft_vocab_size)
@@ -63,8 +75,10 @@ def beam_search(
     token_logprobs = scores[..., None]
     state = mx.broadcast_to(state, (batch, width, state.shape[-1]))
     hidden = mx.broadcast_to(hidden, (batch, width, hidden.shape[-1]))
+    held = []  # the partial beams, with their log-probabilities
 
     for _ in range(beam_length - 2):
+        held.append((beams, token_logprobs))
         state = drafter.update_state(embed(beams[..., -1]), state)  # (B, W, D)
         if later_rows is None:
             logprobs = drafter.log_probs(hidden, state)  # (B, W, V)
@@ -91,5 +105,13 @@ def beam_search(
         beams = mx.concatenate([beams, mx.repeat(beams[:, -1:], pad, axis=1)], axis=1)
         token_logprobs = mx.concatenate(
             [token_logprobs, mx.repeat(token_logprobs[:, -1:], pad, axis=1)], axis=1
+        )
+    if partial:
+        widths = [[(0, 0), (0, 0), (0, beam_length - b.shape[-1])] for b, _ in held]
+        beams = mx.concatenate(
+            [beams] + [mx.pad(b, w, constant_values=NO_TOKEN) for (b, _), w in zip(held, widths)], axis=1
+        )
+        token_logprobs = mx.concatenate(
+            [token_logprobs] + [mx.pad(lp, w, constant_values=-mx.inf) for (_, lp), w in zip(held, widths)], axis=1
         )
     return beams, token_logprobs

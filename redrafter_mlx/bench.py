@@ -64,7 +64,8 @@ class Config:
 
 
 def parse_configs(text: str) -> list[Config]:
-    """``auto`` (the default settings), ``lookup`` (lookup only, nodes by
+    """``auto`` (the default settings), ``final`` (those, the RNN's final
+    beams only: no partial beams), ``lookup`` (lookup only, nodes by
     cost), ``rnn:WxL`` (the RNN's WxL beams, all verified), ``both:WxL``
     (those plus one lookup continuation), comma-separated."""
     configs = []
@@ -72,12 +73,14 @@ def parse_configs(text: str) -> list[Config]:
         kind, _, shape = name.partition(":")
         if kind in ("auto", "lookup") and not shape:
             draft = DraftSettings()
+        elif kind == "final" and not shape:
+            draft = DraftSettings(partial_beams=False)
         elif kind in ("rnn", "both") and shape.count("x") == 1 and all(p.isdigit() for p in shape.split("x")):
             draft = DraftSettings.rnn_only(*map(int, shape.split("x")))
             if kind == "both":
                 draft.lookup, draft.max_nodes = True, draft.max_nodes + draft.beam_length - 1
         else:
-            raise UserError(f"unknown bench configuration {name!r}; use auto, lookup, rnn:WxL or both:WxL")
+            raise UserError(f"unknown bench configuration {name!r}; use auto, final, lookup, rnn:WxL or both:WxL")
         configs.append(Config(name, draft))
     if not configs:
         raise UserError("no bench configuration given")

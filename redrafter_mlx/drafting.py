@@ -49,11 +49,12 @@ class DraftSettings:
     lookup_max_ngram: int = 3
     lookup_beams: int = 1
     later_vocab: Optional[int] = LATER_VOCAB
+    partial_beams: bool = True
 
     @classmethod
     def rnn_only(cls, beam_width: int, beam_length: int) -> "DraftSettings":
-        """The RNN's beams alone, every node verified (the paper's method)."""
-        return cls(beam_width, beam_length, max_nodes=beam_width * (beam_length - 1), lookup=False, later_vocab=None)
+        """The RNN's final beams alone, every node verified (the paper's method)."""
+        return cls(beam_width, beam_length, max_nodes=beam_width * (beam_length - 1), lookup=False, later_vocab=None, partial_beams=False)
 
     def check(self) -> None:
         if self.beam_width < 1:
@@ -70,9 +71,9 @@ class DraftSettings:
             raise UserError(f"later draft vocabulary must be at least 1 row, got {self.later_vocab}")
 
     def search_shape(self, drafter) -> tuple:
-        """``beam_search``'s (beam_width, beam_length, later_rows) for this drafter."""
+        """``beam_search``'s (beam_width, beam_length, later_rows, partial) for this drafter."""
         later = self.later_vocab if getattr(drafter, "sorted_draft_vocab", False) else None
-        return self.beam_width, self.beam_length, later
+        return self.beam_width, self.beam_length, later, self.partial_beams
 
 
 class Speculator:
@@ -115,8 +116,9 @@ class Speculator:
     def trees(self, rows: list, roots: list, beams: Optional[np.ndarray], conditionals: Optional[np.ndarray], cost=None) -> list[RowTree]:
         """The tree each row verifies. rows: the prompt of each batch row;
         roots: each row's last chosen token; beams (B, W, L) and
-        conditionals (B, W, L - 1): the RNN's beams and the drafter's
-        probability of each drafted token, or None when it did not run.
+        conditionals (B, W, L - 1): the RNN's beams (partial ones ending at
+        NO_TOKEN) and the drafter's probability of each drafted token, or
+        None when it did not run.
         cost: the cost curve (``CostCurve``) when ``max_nodes`` is None."""
         estimate = self.stats.estimate
         length = self.settings.beam_length - 1

@@ -16,7 +16,26 @@ from typing import Optional
 import mlx.core as mx
 import numpy as np
 
+from .base_model import BaseModel
 from .beam_search import beam_search
+from .distill import DataFolder, Sequences
+from .errors import UserError
+from .loading import load_base_model
+from .train import compute_hidden_cache
+
+
+def load_greedy_folder(data: str, model: Optional[str] = None) -> tuple[BaseModel, Sequences, np.ndarray]:
+    """A greedy distillation folder and the base model it was distilled
+    from (``model``; None: the embedded one): (base, sequences, hidden),
+    hidden (R, hidden_size) float16 h[t] at every position, computed and
+    cached beside the shards when missing."""
+    folder = DataFolder(data)
+    if (folder.meta or {}).get("temp", 0) != 0:
+        raise UserError(f"{data} holds sampled responses; the replay needs greedy ones")
+    base = BaseModel(load_base_model(model)[0])
+    folder.check_model(base.vocab_size, base.hidden_size)
+    sequences = folder.load()
+    return base, sequences, compute_hidden_cache(base, folder, sequences, progress=False)
 
 
 def accepted_lengths(

@@ -165,10 +165,14 @@ def pack(rows: list[RowTree]) -> Tree:
 
 def beam_drafts(beams: np.ndarray, conditionals: np.ndarray, estimate) -> list[Draft]:
     """One row's RNN beams as drafts. beams (W, L) with column 0 the root,
-    conditionals (W, L - 1) the drafter's probability of each drafted token
-    given its prefix; ``estimate(key, predicted)`` calibrates them."""
+    each ending at its first NO_TOKEN (a partial beam), conditionals
+    (W, L - 1) the drafter's probability of each drafted token given its
+    prefix; ``estimate(key, predicted)`` calibrates them."""
     drafts = []
     for tokens, probs in zip(beams[:, 1:].tolist(), conditionals.tolist()):
+        if NO_TOKEN in tokens:
+            tokens = tokens[: tokens.index(NO_TOKEN)]
+            probs = probs[: len(tokens)]
         keys = [("rnn", d) for d in range(1, len(tokens) + 1)]
         drafts.append(Draft(tokens, keys, [estimate(k, p) for k, p in zip(keys, probs)], probs))
     return drafts

@@ -77,3 +77,29 @@ def test_later_rows_draft_the_tokens_after_the_first_from_the_first_rows_only():
     assert np.allclose(np.array(logprobs[:, :, 1]), np.array(mx.take_along_axis(expected, index[..., None], -1)[..., 0]), atol=1e-5)
     same, _ = beam_search(drafter, embed, hidden, first, 4, 4, later_rows=40)
     assert same.tolist() == full.tolist()
+
+
+def test_partial_beams_are_what_shorter_searches_return():
+    """With ``partial``, the final beams come first, unchanged, then the
+    partial beams of 1, 2, ... drafted tokens: exactly the beams (and
+    log-probabilities) of a search that stops at that length, padded."""
+    drafter = tiny_drafter(seed=7, draft_vocab=30)
+    table = mx.random.normal((256, HIDDEN))
+    embed = lambda t: table[t]
+    hidden, first = mx.random.normal((2, HIDDEN)), mx.array([4, 9])
+    beams, logprobs = beam_search(drafter, embed, hidden, first, 3, 5, partial=True)
+    assert beams.shape == (2, 12, 5) and logprobs.shape == (2, 12, 4)
+    final, final_logprobs = beam_search(drafter, embed, hidden, first, 3, 5)
+    assert beams[:, :3].tolist() == final.tolist()
+    assert np.allclose(np.array(logprobs[:, :3]), np.array(final_logprobs))
+    for drafted in (1, 2, 3):
+        rows = slice(3 * drafted, 3 * drafted + 3)
+        short, short_logprobs = beam_search(drafter, embed, hidden, first, 3, drafted + 1)
+        assert beams[:, rows, : drafted + 1].tolist() == short.tolist()
+        assert (np.array(beams[:, rows, drafted + 1 :]) == -1).all()
+        assert np.allclose(np.array(logprobs[:, rows, :drafted]), np.array(short_logprobs), atol=1e-6)
+        assert np.isneginf(np.array(logprobs[:, rows, drafted:])).all()
+    # The search held beams that no final beam extends: the reason to keep them.
+    finals = {tuple(b[:3]) for b in np.array(beams[:, :3]).reshape(-1, 5).tolist()}
+    held = {tuple(b[:3]) for b in np.array(beams[:, 6:9]).reshape(-1, 5).tolist()}
+    assert held - finals

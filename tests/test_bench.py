@@ -1,10 +1,10 @@
-"""The benchmark's runs: sampled baselines emit what ReDrafter emits, so the
-two are timed on the same text."""
+"""The benchmark's configurations, and its runs: sampled baselines emit
+what ReDrafter emits, so the two are timed on the same text."""
 
 import numpy as np
 from conftest import tiny_redrafter
 
-from redrafter_mlx.bench import Config, ConfigResult, baseline_run, redrafter_run
+from redrafter_mlx.bench import Config, ConfigResult, baseline_run, parse_configs, redrafter_run
 from redrafter_mlx.drafting import DraftSettings
 from redrafter_mlx.sampling import SamplingSettings, make_chooser
 
@@ -35,3 +35,11 @@ def test_a_batch_counts_once_by_the_median_of_its_repeats_and_keeps_its_step_cou
         {"tokens_per_step": 1.5, "nodes_per_step": 4.0, "tokens": 32.0},
     ]
     assert (summary["tokens_per_step"], summary["nodes_per_step"]) == (165 / 90, 390 / 90)
+
+
+def test_configurations_differ_only_where_their_names_say():
+    auto, final, rnn, both = parse_configs("auto, final, rnn:4x5, both:2x3")
+    assert auto.draft.partial_beams and not final.draft.partial_beams
+    assert final.draft == DraftSettings(partial_beams=False)
+    assert rnn.draft == DraftSettings(4, 5, max_nodes=16, lookup=False, later_vocab=None, partial_beams=False)
+    assert both.draft == DraftSettings(2, 3, max_nodes=6, lookup=True, later_vocab=None, partial_beams=False)

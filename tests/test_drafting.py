@@ -112,9 +112,9 @@ def test_without_a_drafter_only_lookup_drafts():
 def test_later_vocab_applies_only_to_a_sorted_draft_vocabulary():
     drafter = tiny_drafter(draft_vocab=32)
     settings = DraftSettings(beam_width=3, beam_length=4, later_vocab=8)
-    assert settings.search_shape(drafter) == (3, 4, None)  # rows in no known order: all are searched
+    assert settings.search_shape(drafter) == (3, 4, None, True)  # rows in no known order: all are searched
     drafter.args.sorted_draft_vocab = True
-    assert settings.search_shape(drafter) == (3, 4, 8)
+    assert settings.search_shape(drafter) == (3, 4, 8, True)
 
 
 @pytest.mark.parametrize(

@@ -1,6 +1,8 @@
 """Replayed greedy generation: the step counts of real generation, from
 distilled data alone."""
 
+import json
+
 import numpy as np
 import pytest
 from conftest import OracleDrafter, tiny_model
@@ -9,7 +11,8 @@ from redrafter_mlx.base_model import BaseModel
 from redrafter_mlx.distill import DataFolder, distill, response_stream
 from redrafter_mlx.drafting import DraftSettings
 from redrafter_mlx.generate import ReDrafter, generate_steps
-from redrafter_mlx.replay import accepted_lengths, count_steps, in_vocabulary_lengths, tokens_per_step, with_lookup
+from redrafter_mlx.errors import UserError
+from redrafter_mlx.replay import accepted_lengths, count_steps, in_vocabulary_lengths, load_greedy_folder, tokens_per_step, with_lookup
 from redrafter_mlx.sampling import SamplingSettings
 from redrafter_mlx.train import build_positions, cached_positions, compute_hidden_cache
 
@@ -65,3 +68,9 @@ def test_replay_takes_as_many_steps_as_real_generation(tmp_path, shape, lookup):
         assert tokens == sequence[prompt_length:]
         replayed = count_steps(accepted[starts[i] : starts[i] + counts[i]], counts[i : i + 1])
         assert replayed == steps, i
+
+
+def test_a_sampled_folder_cannot_be_replayed(tmp_path):
+    (tmp_path / "meta.json").write_text(json.dumps({"temp": 0.7}))
+    with pytest.raises(UserError, match="holds sampled responses"):
+        load_greedy_folder(str(tmp_path))

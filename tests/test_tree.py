@@ -3,7 +3,7 @@ the device arrays verification reads."""
 
 import numpy as np
 
-from redrafter_mlx.tree import NO_TOKEN, Draft, candidate_tree, most_likely_nodes, pack, prune
+from redrafter_mlx.tree import NO_TOKEN, Draft, beam_drafts, candidate_tree, most_likely_nodes, pack, prune
 
 # Mars=1 is=2 a=3 red=4 reddish=5 when=6 dark=7
 MARS = [[2, 3, 4], [2, 5, 6], [2, 7, 4]]
@@ -57,6 +57,20 @@ def test_pruning_keeps_the_most_likely_nodes_and_their_ancestors():
     assert smaller.tokens == [1, 2, 3]
     none = prune(tree, 0)
     assert none.tokens == [1] and none.leaves() == [0]
+
+
+def test_a_partial_beam_ends_at_its_first_padding_token_and_can_outrank_a_final_one():
+    """Final beam Mars is a red (the search's best of three tokens) and
+    the partial beam Mars is reddish it held at depth 2: pruned to three
+    nodes, the tree keeps reddish (0.6 x 0.5 = 0.3) and drops red
+    (0.6 x 0.4 x 0.9 = 0.216)."""
+    beams = np.array([[1, 2, 3, 4], [1, 2, 5, NO_TOKEN]])
+    conditionals = np.array([[0.6, 0.4, 0.9], [0.6, 0.5, 0.0]])
+    beam_list = beam_drafts(beams, conditionals, lambda key, p: p)
+    assert [d.tokens for d in beam_list] == [[2, 3, 4], [2, 5]]
+    assert beam_list[1].keys == [("rnn", 1), ("rnn", 2)] and beam_list[1].predicted == [0.6, 0.5]
+    tree = prune(candidate_tree(1, beam_list), 3)
+    assert tree.tokens == [1, 2, 3, 5]
 
 
 def test_batches_pad_rows_of_different_sizes():
