@@ -9,8 +9,13 @@ model's own head. This probe trains such a layer on cached hidden states
 and, at equal data, steps and initialisation, the same layer with its
 attention removed (the control: what reads only h[t] and x[t+1], as the
 RNN's first depth does). Both predict x[t+2], so their teacher-forced
-accuracy is the replay's depth 1 (`bench/replay_acceptance.py`). It is a
-measurement only: the engine has no drafter with a key-value cache of its
+accuracy is the replay's depth 1 (`bench/replay_acceptance.py`).
+
+With ``--layers``, the states of some intermediate layers (RMS-normalised)
+join h[t] in the input, as EAGLE-3 fuses low, middle and high features;
+variant ``layers`` is the control with them (no attention), ``none`` the
+control without. The last layer's state is made to predict x[t+1] only;
+earlier layers may keep what x[t+2] needs. It is a measurement only: the engine has no drafter with a key-value cache of its
 own. Reported on held-out training sequences and on the dev folder, overall
 and where context lookup's first drafted token is wrong (there the tree
 holds nothing right but the drafter's proposal).
@@ -19,9 +24,10 @@ holds nothing right but the drafter's proposal).
         --data data/self-smollm2-135m --data data/distill-smollm2-135m-chat:12 \\
         --dev data/eval-dev-smollm2-135m --steps 600 --rnn redrafter_mlx/drafters/smollm2-135m-instruct
 
-Hidden states of response positions come from each shard's
+Without ``--layers``, hidden states of response positions come from each shard's
 ``hidden-NNNNN.npy`` (saved by ``distill`` or made by ``train``); those of
-the prompt positions are computed once here and kept in ``--work``. Runs in
+the prompt positions are computed once here and kept in ``--work``; with
+``--layers`` every state is computed here (Llama-style backbones only). Runs in
 float32 on the CPU. The measured result is in
 ``bench/results/recipe-ablation-dev.md`` (session 16): no gain.
 """
@@ -46,23 +52,26 @@ from redrafter_mlx.loading import load_base_model
 from redrafter_mlx.train import build_draft_vocab, draft_index_map, length_batches, lookup_depths
 
 
-def folder_sequences(base, path: str, shards: int, work: Path, max_positions: int = 0) -> list[dict]:
+def folder_sequences(base, path: str, shards: int, work: Path, max_positions: int = 0, layers: tuple = ()) -> list[dict]:
     """Each sequence of the folder's first ``shards`` shards (0: all) as
     tokens (L,), h (L-1, hidden) float16 for t = 0 .. L-2, prompt length P
     and prompt index; with ``max_positions``, only the first sequences
     whose responses hold that many positions in all. Prompt states come
     from the backbone, once per prompt (the samples of a prompt share them),
-    cached in ``work``."""
+    cached in ``work``. With ``layers``, h is (L-1, hidden * (1 + len(layers))):
+    the last layer's state, then those layers' (see ``sequence_states``), all
+    computed here."""
     folder = DataFolder(path)
     folder.check_model(base.vocab_size, base.hidden_size)
-    cache_file = work / f"prompt-hidden-{Path(path).name}.npz"
+    tag = "-layers-" + "-".join(map(str, layers)) if layers else ""
+    cache_file = work / f"prompt-hidden-{Path(path).name}{tag}.npz"
     used = 0
     prompt_hidden = dict(np.load(cache_file)) if cache_file.exists() else {}
     out = []
     for shard in folder.shards()[: shards or None]:
         with np.load(shard) as data:
             index, prompt_lengths, lengths, tokens = (data[k] for k in ("prompt_index", "prompt_lengths", "lengths", "tokens"))
-        response_hidden = np.load(hidden_path(shard))
+        response_hidden = None if layers else np.load(hidden_path(shard))
         full = keep = len(lengths)
         if max_positions:
             keep = int(np.searchsorted(np.cumsum(lengths - prompt_lengths), max_positions - used, side="right"))
@@ -70,10 +79,15 @@ def folder_sequences(base, path: str, shards: int, work: Path, max_positions: in
             used += int((lengths - prompt_lengths).sum())
         starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
         rows = np.concatenate([[0], np.cumsum(lengths - prompt_lengths)[:-1]])
-        missing = {str(i): tokens[s : s + p - 1] for i, s, p in zip(index, starts, prompt_lengths) if str(i) not in prompt_hidden}
-        prompt_hidden.update(prompt_states(base, missing))
-        for i, s, r, p, n in zip(index, starts, rows, prompt_lengths, lengths):
-            h = np.concatenate([prompt_hidden[str(i)], response_hidden[r : r + n - p]])
+        if layers:  # whole sequences (samples of one prompt differ), keyed by shard and start
+            key = [f"{shard.name}:{s}" for s in starts]
+            ends = lengths - 1
+        else:
+            key, ends = [str(i) for i in index], prompt_lengths - 1
+        missing = {k: tokens[s : s + e] for k, s, e in zip(key, starts, ends) if k not in prompt_hidden}
+        prompt_hidden.update(sequence_states(base, missing, layers))
+        for k, i, s, r, p, n in zip(key, index, starts, rows, prompt_lengths, lengths):
+            h = prompt_hidden[k] if layers else np.concatenate([prompt_hidden[k], response_hidden[r : r + n - p]])
             out.append({"tokens": tokens[s : s + n].astype(np.int32), "h": h, "P": int(p), "index": int(i)})
         if keep < full:
             break
@@ -81,31 +95,53 @@ def folder_sequences(base, path: str, shards: int, work: Path, max_positions: in
     return out
 
 
-def prompt_states(base, prompts: dict, batch_tokens: int = 8192) -> dict:
-    """{key: tokens (n,)} -> {key: h (n, hidden) float16}, from right-padded
-    batches of prompts of similar length (causal attention makes the
-    padding harmless)."""
+def sequence_states(base, prompts: dict, layers: tuple = (), batch_tokens: int = 8192) -> dict:
+    """{key: tokens (n,)} -> {key: h (n, hidden * (1 + len(layers))) float16},
+    from right-padded batches of sequences of similar length (causal
+    attention makes the padding harmless)."""
     keys = list(prompts)
     out = {}
     for members in length_batches(np.array([len(prompts[k]) for k in keys]), batch_tokens):
         batch = np.zeros((len(members), max(len(prompts[keys[members[-1]]]), 1)), np.int32)
         for row, k in enumerate(members):
             batch[row, : len(prompts[keys[k]])] = prompts[keys[k]]
-        hidden = np.array(base.backbone(mx.array(batch)).astype(mx.float16))
+        hidden = np.array(layer_states(base, mx.array(batch), layers).astype(mx.float16))
         out.update({keys[k]: hidden[row, : len(prompts[keys[k]])] for row, k in enumerate(members)})
     return out
+
+
+def layer_states(base, tokens: mx.array, layers: tuple) -> mx.array:
+    """tokens (B, L) -> the backbone's output (B, L, hidden), followed by the
+    outputs of ``layers`` (indices into the backbone's blocks) divided by
+    their root mean square: (B, L, hidden * (1 + len(layers))). Runs a
+    Llama-style backbone block by block (embed, blocks, norm) and checks
+    that this reproduces it."""
+    backbone = base.backbone
+    if not layers:
+        return backbone(tokens)
+    x, taps = backbone.embed_tokens(tokens), []
+    for i, block in enumerate(backbone.layers):
+        x = block(x, mask="causal")
+        if i in layers:
+            taps.append(x * mx.rsqrt(x.square().mean(axis=-1, keepdims=True) + 1e-6))
+    final = backbone.norm(x)
+    assert mx.allclose(final[:1, :8], backbone(tokens[:1, :8]), atol=1e-3), "backbone is not embed, blocks, norm"
+    return mx.concatenate([final] + taps, axis=-1)
 
 
 class ContextDrafter(nn.Module):
     """fc([h[t] ; embed(x[t+1])]) -> one decoder layer (causal attention
     over earlier positions, or none) -> features read by the base head.
-    Starts as the identity on h, as the RNN's warm start does."""
+    Starts as the identity on h, as the RNN's warm start does. ``width``:
+    how many columns of the hidden input it reads (h, then any layer
+    states)."""
 
-    def __init__(self, model_args, attention: bool):
+    def __init__(self, model_args, attention: bool, width: int):
         super().__init__()
         size = model_args.hidden_size
-        self.fc = nn.Linear(2 * size, size)
-        self.fc.weight = mx.concatenate([mx.eye(size), mx.zeros((size, size))], axis=1)
+        self.width = width
+        self.fc = nn.Linear(width + size, size)
+        self.fc.weight = mx.concatenate([mx.eye(size), mx.zeros((size, width))], axis=1)
         self.fc.bias = mx.zeros((size,))
         self.block = TransformerBlock(model_args)
         self.block.self_attn.o_proj.weight = mx.zeros_like(self.block.self_attn.o_proj.weight)
@@ -114,19 +150,19 @@ class ContextDrafter(nn.Module):
 
     def __call__(self, hidden: mx.array, embedded: mx.array) -> mx.array:
         """hidden, embedded: (B, L, size) -> features (B, L, size)."""
-        x = self.fc(mx.concatenate([hidden, embedded], axis=-1))
+        x = self.fc(mx.concatenate([hidden[..., : self.width], embedded], axis=-1))
         if self.attention:
             return self.block(x, mask="causal")
         return x + self.block.mlp(self.block.post_attention_layernorm(x))
 
 
 def make_batch(sequences: list[dict], to_draft: np.ndarray, size: int) -> tuple:
-    """Right-padded inputs h[t] (B, L, size) and x[t+1] (B, L); the scored
+    """Right-padded inputs h[t] (B, L, width) and x[t+1] (B, L); the scored
     positions (x[t+1] generated, x[t+2] in the draft vocabulary) as flat
-    indices into B * L (n,), their targets' draft indices (n,) and h[t+1]
-    (n, size)."""
+    indices into B * L (n,), their targets' draft indices (n,) and the last
+    layer's h[t+1] (n, size)."""
     length = max(len(s["h"]) for s in sequences)
-    hidden = np.zeros((len(sequences), length, size), np.float32)
+    hidden = np.zeros((len(sequences), length, sequences[0]["h"].shape[1]), np.float32)
     inputs = np.zeros((len(sequences), length), np.int32)
     scored, targets, next_hidden = [], [], []
     for b, s in enumerate(sequences):
@@ -138,7 +174,7 @@ def make_batch(sequences: list[dict], to_draft: np.ndarray, size: int) -> tuple:
         keep = target >= 0
         scored.append(b * length + t[keep])
         targets.append(target[keep])
-        next_hidden.append(s["h"][t[keep] + 1])
+        next_hidden.append(s["h"][t[keep] + 1, :size])
     return (mx.array(hidden), mx.array(inputs), mx.array(np.concatenate(scored)), mx.array(np.concatenate(targets)),
             mx.array(np.concatenate(next_hidden).astype(np.float32)))
 
@@ -171,13 +207,15 @@ def accuracy(predict, sequences: list[dict], to_draft: np.ndarray, size: int) ->
     return {"depth1": round(hits / total, 4), "depth1_where_lookup_wrong": round(miss_hits / miss_total, 4), "positions": int(total)}
 
 
-def train(base, model_args, attention: bool, train_set, evals: dict, draft_ids, args) -> dict:
+def train(base, model_args, variant: str, train_set, evals: dict, draft_ids, args) -> dict:
     mx.random.seed(0)
     size = base.hidden_size
     to_draft = draft_index_map(base.vocab_size, draft_ids)
     head = base.head_rows(mx.array(draft_ids))
     embed = lambda t: mx.stop_gradient(base.embed(t))  # noqa: E731
-    drafter = ContextDrafter(model_args, attention)
+    attention = variant == "attention"
+    width = train_set[0]["h"].shape[1] if variant == "layers" else size
+    drafter = ContextDrafter(model_args, attention, width)
     schedule = optim.join_schedules(
         [optim.linear_schedule(1e-7, args.learning_rate, args.warmup), optim.cosine_decay(args.learning_rate, args.steps - args.warmup, 0.0)],
         [args.warmup],
@@ -201,8 +239,8 @@ def train(base, model_args, attention: bool, train_set, evals: dict, draft_ids, 
         loss = _update(loss_and_grad, optimizer, drafter, make_batch([train_set[j] for j in order.pop()], to_draft, size))
         mx.eval(loss, drafter.state, optimizer.state)
         if (i + 1) % 50 == 0:
-            print(f"  attention={attention} step {i + 1}/{args.steps} loss {loss.item():.3f} {time.time() - start:.0f} s", flush=True)
-    result = {"attention": attention, "steps": args.steps, "train_s": round(time.time() - start), "epochs": epoch}
+            print(f"  {variant} step {i + 1}/{args.steps} loss {loss.item():.3f} {time.time() - start:.0f} s", flush=True)
+    result = {"variant": variant, "layers": args.layers if variant == "layers" else "", "steps": args.steps, "train_s": round(time.time() - start), "epochs": epoch}
     ids = mx.array(draft_ids)
     predict = lambda h, x: ids[mx.argmax(drafter(h, embed(x)) @ head.T, axis=-1)]  # noqa: E731
     result.update({name: accuracy(predict, sequences, to_draft, size) for name, sequences in evals.items()})
@@ -215,7 +253,7 @@ def rnn_accuracy(base, path: str, evals: dict, draft_ids) -> dict:
     to_draft = draft_index_map(base.vocab_size, draft_ids)
 
     def predict(h, x):
-        return rnn.token_ids(mx.argmax(rnn.log_probs(h, rnn.update_state(base.embed(x), None)), axis=-1))
+        return rnn.token_ids(mx.argmax(rnn.log_probs(h[..., : base.hidden_size], rnn.update_state(base.embed(x), None)), axis=-1))
 
     return {"rnn": path, **{name: accuracy(predict, sequences, to_draft, base.hidden_size) for name, sequences in evals.items()}}
 
@@ -239,7 +277,8 @@ def main():
     parser.add_argument("--warmup", type=int, default=50)
     parser.add_argument("--hidden-loss", type=float, default=1.0)
     parser.add_argument("--draft-vocab", type=int, default=12288)
-    parser.add_argument("--variants", default="attention,none", help="What to train: attention, none (comma-separated; empty for none).")
+    parser.add_argument("--variants", default="attention,none", help="What to train: attention, none, layers (comma-separated; empty for none).")
+    parser.add_argument("--layers", default="", help="Intermediate layers (0-based, comma-separated) whose states the 'layers' variant also reads.")
     parser.add_argument("--rnn", action="append", default=[], help="Also measure this trained RNN drafter's first depth (repeatable).")
     parser.add_argument("--max-positions", type=int, default=0, help="Use at most this many response positions in all: the first sequences of the --data folders, in order; 0: all.")
     parser.add_argument("--dev-prompts", help="The dev folder's prompts file: also report dev accuracy per its lines' \"source\".")
@@ -247,6 +286,7 @@ def main():
 
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
+    layers = tuple(int(i) for i in args.layers.split(",") if i)
     model, _ = load_base_model(None, dtype="float32")
     base = BaseModel(model)
     train_set, held_out = [], []
@@ -255,9 +295,9 @@ def main():
         room = args.max_positions - sum(len(s["tokens"]) - s["P"] for s in train_set + held_out)
         if args.max_positions and room <= 0:
             break
-        for s in folder_sequences(base, path, int(shards or 0), work, room if args.max_positions else 0):
+        for s in folder_sequences(base, path, int(shards or 0), work, room if args.max_positions else 0, layers):
             (held_out if s["index"] % 50 == 0 else train_set).append(s)  # the trainer's 2 % rule
-    dev = folder_sequences(base, args.dev, 0, work)
+    dev = folder_sequences(base, args.dev, 0, work, 0, layers)
     evals = {"held_out": held_out, "dev": dev}
     if args.dev_prompts:
         sources = [json.loads(line).get("source", "") for line in open(args.dev_prompts) if line.strip()]
@@ -269,7 +309,7 @@ def main():
                "max_positions": args.max_positions}
     print(json.dumps(summary), flush=True)
     jobs = [lambda path=path: rnn_accuracy(base, path, evals, draft_ids) for path in args.rnn]
-    jobs += [lambda v=v: train(base, model.args, v == "attention", train_set, evals, draft_ids, args)
+    jobs += [lambda v=v: train(base, model.args, v, train_set, evals, draft_ids, args)
              for v in filter(None, args.variants.split(","))]
     for job in jobs:
         line = json.dumps({**summary, **job()})
