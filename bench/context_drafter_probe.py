@@ -15,8 +15,10 @@ With ``--layers``, the states of some intermediate layers (RMS-normalised)
 join h[t] in the input, as EAGLE-3 fuses low, middle and high features;
 variant ``layers`` is the control with them (no attention), ``none`` the
 control without. The last layer's state is made to predict x[t+1] only;
-earlier layers may keep what x[t+2] needs. It is a measurement only: the engine has no drafter with a key-value cache of its
-own. Reported on held-out training sequences and on the dev folder, overall
+earlier layers may keep what x[t+2] needs.
+
+It is a measurement only: the engine has no drafter with a key-value cache
+of its own, nor taps on the base model's blocks. Reported on held-out training sequences and on the dev folder, overall
 and where context lookup's first drafted token is wrong (there the tree
 holds nothing right but the drafter's proposal).
 
@@ -29,7 +31,8 @@ Without ``--layers``, hidden states of response positions come from each shard's
 the prompt positions are computed once here and kept in ``--work``; with
 ``--layers`` every state is computed here (Llama-style backbones only). Runs in
 float32 on the CPU. The measured result is in
-``bench/results/recipe-ablation-dev.md`` (session 16): no gain.
+``bench/results/recipe-ablation-dev.md``: no gain from attention (session
+16), none from the earlier layers (session 22).
 """
 
 import argparse
@@ -66,7 +69,7 @@ def folder_sequences(base, path: str, shards: int, work: Path, max_positions: in
     tag = "-layers-" + "-".join(map(str, layers)) if layers else ""
     cache_file = work / f"prompt-hidden-{Path(path).name}{tag}.npz"
     used = 0
-    prompt_hidden = dict(np.load(cache_file)) if cache_file.exists() else {}
+    states = dict(np.load(cache_file)) if cache_file.exists() else {}
     out = []
     for shard in folder.shards()[: shards or None]:
         with np.load(shard) as data:
@@ -84,29 +87,29 @@ def folder_sequences(base, path: str, shards: int, work: Path, max_positions: in
             ends = lengths - 1
         else:
             key, ends = [str(i) for i in index], prompt_lengths - 1
-        missing = {k: tokens[s : s + e] for k, s, e in zip(key, starts, ends) if k not in prompt_hidden}
-        prompt_hidden.update(sequence_states(base, missing, layers))
+        missing = {k: tokens[s : s + e] for k, s, e in zip(key, starts, ends) if k not in states}
+        states.update(sequence_states(base, missing, layers))
         for k, i, s, r, p, n in zip(key, index, starts, rows, prompt_lengths, lengths):
-            h = prompt_hidden[k] if layers else np.concatenate([prompt_hidden[k], response_hidden[r : r + n - p]])
+            h = states[k] if layers else np.concatenate([states[k], response_hidden[r : r + n - p]])
             out.append({"tokens": tokens[s : s + n].astype(np.int32), "h": h, "P": int(p), "index": int(i)})
         if keep < full:
             break
-    np.savez(cache_file, **prompt_hidden)
+    np.savez(cache_file, **states)
     return out
 
 
-def sequence_states(base, prompts: dict, layers: tuple = (), batch_tokens: int = 8192) -> dict:
+def sequence_states(base, sequences: dict, layers: tuple = (), batch_tokens: int = 8192) -> dict:
     """{key: tokens (n,)} -> {key: h (n, hidden * (1 + len(layers))) float16},
     from right-padded batches of sequences of similar length (causal
     attention makes the padding harmless)."""
-    keys = list(prompts)
+    keys = list(sequences)
     out = {}
-    for members in length_batches(np.array([len(prompts[k]) for k in keys]), batch_tokens):
-        batch = np.zeros((len(members), max(len(prompts[keys[members[-1]]]), 1)), np.int32)
+    for members in length_batches(np.array([len(sequences[k]) for k in keys]), batch_tokens):
+        batch = np.zeros((len(members), max(len(sequences[keys[members[-1]]]), 1)), np.int32)
         for row, k in enumerate(members):
-            batch[row, : len(prompts[keys[k]])] = prompts[keys[k]]
+            batch[row, : len(sequences[keys[k]])] = sequences[keys[k]]
         hidden = np.array(layer_states(base, mx.array(batch), layers).astype(mx.float16))
-        out.update({keys[k]: hidden[row, : len(prompts[keys[k]])] for row, k in enumerate(members)})
+        out.update({keys[k]: hidden[row, : len(sequences[keys[k]])] for row, k in enumerate(members)})
     return out
 
 
