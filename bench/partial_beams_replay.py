@@ -27,7 +27,7 @@ import numpy as np
 from redrafter_mlx.beam_search import beam_search
 from redrafter_mlx.drafter import load_drafter
 from redrafter_mlx.errors import UserError
-from redrafter_mlx.replay import load_greedy_folder, tokens_per_step, with_lookup
+from redrafter_mlx.replay import load_greedy_folder, step_figures
 from redrafter_mlx.train import build_positions, cached_positions
 from redrafter_mlx.tree import beam_drafts, candidate_tree, prune
 
@@ -89,14 +89,13 @@ def main():
     positions = build_positions(sequences, max(length for _, length in shapes) - 1, 0.0, with_lookup=args.lookup)
     counts = cached_positions(sequences)
     windows, row_hidden = positions.tokens, hidden[positions.hidden_row]
+    lookup = positions.lookup_depth if args.lookup else None
     for width, length in shapes:
         accepted, nodes = replay_shape(drafter, base.embed, row_hidden, windows, width, length, budgets)
         result = {"drafter": args.drafter, "data": args.data, "shape": f"{width}x{length}", "final_beam_nodes": round(nodes, 2)}
         for budget, runs in accepted.items():
             for kind, a in runs.items():
-                result[f"{kind}@{budget}"] = round(tokens_per_step(a, counts), 3)
-                if args.lookup:
-                    result[f"{kind}@{budget}+lookup"] = round(tokens_per_step(with_lookup(a, positions.lookup_depth, length), counts), 3)
+                result.update(step_figures(f"{kind}@{budget}", a, counts, lookup, length))
         print(json.dumps(result), flush=True)
 
 

@@ -23,7 +23,7 @@ import numpy as np
 
 from redrafter_mlx.drafter import load_drafter
 from redrafter_mlx.errors import UserError
-from redrafter_mlx.replay import accepted_lengths, in_vocabulary_lengths, load_greedy_folder, tokens_per_step, with_lookup
+from redrafter_mlx.replay import accepted_lengths, in_vocabulary_lengths, load_greedy_folder, step_figures, tokens_per_step, with_lookup
 from redrafter_mlx.train import TrainConfig, build_positions, cached_positions, draft_index_map, draft_targets, drafter_loss
 
 
@@ -106,18 +106,15 @@ def main():
     if draft_token_ids is not None:
         bound = in_vocabulary_lengths(windows[:, :longest], np.array(draft_token_ids), base.vocab_size)
         result[f"draft_vocab_ceiling_x{longest}"] = round(tokens_per_step(bound, counts[keep]), 3)
+    lookup = positions.lookup_depth[rows] if args.lookup else None
     for width, length in shapes:
         accepted = accepted_lengths(drafter, base.embed, row_hidden, windows[:, :length], width)
-        result[f"{width}x{length}"] = round(tokens_per_step(accepted, counts[keep]), 3)
         if args.lookup:
-            lookup = positions.lookup_depth[rows]
             result[f"lookup_{length - 1}_drafted"] = round(tokens_per_step(with_lookup(np.zeros_like(accepted), lookup, length), counts[keep]), 3)
-            result[f"{width}x{length}+lookup"] = round(tokens_per_step(with_lookup(accepted, lookup, length), counts[keep]), 3)
+        result.update(step_figures(f"{width}x{length}", accepted, counts[keep], lookup, length))
         for rows_kept in [int(r) for r in args.later_rows.split(",") if r]:
             shortlisted = accepted_lengths(drafter, base.embed, row_hidden, windows[:, :length], width, later_rows=rows_kept)
-            result[f"{width}x{length}_later{rows_kept}"] = round(tokens_per_step(shortlisted, counts[keep]), 3)
-            if args.lookup:
-                result[f"{width}x{length}_later{rows_kept}+lookup"] = round(tokens_per_step(with_lookup(shortlisted, lookup, length), counts[keep]), 3)
+            result.update(step_figures(f"{width}x{length}_later{rows_kept}", shortlisted, counts[keep], lookup, length))
         print(json.dumps(result), flush=True)
 
 

@@ -99,3 +99,13 @@ def tokens_per_step(accepted: np.ndarray, counts: np.ndarray) -> Optional[float]
     """Mean tokens per step (accepted + bonus) over the sequences."""
     steps = count_steps(accepted, counts)
     return float(np.maximum(counts - 1, 0).sum() / steps) if steps else None
+
+
+def step_figures(name: str, accepted: np.ndarray, counts: np.ndarray, lookup_depth: Optional[np.ndarray], length: int) -> dict:
+    """``{name: tokens per step}``, and with ``lookup_depth`` also
+    ``{name + "+lookup": the same with one lookup continuation in the tree}``
+    (``with_lookup``), rounded to three places as the result files keep them."""
+    figures = {name: round(tokens_per_step(accepted, counts), 3)}
+    if lookup_depth is not None:
+        figures[f"{name}+lookup"] = round(tokens_per_step(with_lookup(accepted, lookup_depth, length), counts), 3)
+    return figures

@@ -12,7 +12,7 @@ from redrafter_mlx.distill import DataFolder, distill, response_stream
 from redrafter_mlx.drafting import DraftSettings
 from redrafter_mlx.generate import ReDrafter, generate_steps
 from redrafter_mlx.errors import UserError
-from redrafter_mlx.replay import accepted_lengths, count_steps, in_vocabulary_lengths, load_greedy_folder, tokens_per_step, with_lookup
+from redrafter_mlx.replay import accepted_lengths, count_steps, in_vocabulary_lengths, load_greedy_folder, step_figures, tokens_per_step, with_lookup
 from redrafter_mlx.sampling import SamplingSettings
 from redrafter_mlx.train import build_positions, cached_positions, compute_hidden_cache
 
@@ -26,6 +26,15 @@ def test_count_steps_by_hand():
     assert count_steps(accepted, np.array([5, 3])) == 4
     assert tokens_per_step(accepted, np.array([5, 3])) == pytest.approx(6 / 4)
     assert count_steps(np.array([4, 4, 4]), np.array([3])) == 1  # the last step is cut by the end
+
+
+def test_step_figures_with_and_without_lookup():
+    accepted, counts = np.array([1, 9, 1, 9, 9, 0, 0, 0]), np.array([5, 3])
+    assert step_figures("2x3", accepted, counts, None, 3) == {"2x3": 1.5}
+    # Lookup right 2 deep at the second sequence's first position: one step
+    # there (2 tokens kept, capped at length - 1) instead of two.
+    lookup = np.array([0, 0, 0, 0, 0, 2, 0, 0])
+    assert step_figures("2x3", accepted, counts, lookup, 3) == {"2x3": 1.5, "2x3+lookup": 2.0}
 
 
 def test_in_vocabulary_lengths():
