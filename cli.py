@@ -52,6 +52,7 @@ MAX_NODES = typer.Option("auto", "--max-nodes", help="Drafted tree nodes verifie
 NO_LOOKUP = typer.Option(False, "--no-lookup", help="Do not draft by context lookup (RNN only).")
 LOOKUP_MAX_NGRAM = typer.Option(3, "--lookup-max-ngram", help="Longest context suffix that context lookup matches.")
 LOOKUP_BEAMS = typer.Option(1, "--lookup-beams", help="Distinct context-lookup continuations proposed per step.")
+DATASTORE_BEAMS = typer.Option(2, "--datastore-beams", help="Continuations proposed per step from the drafter's datastore (what the model most often wrote after the context's last tokens), when its folder holds one; 0 turns it off.")
 TEMP = typer.Option(0.0, "--temp", help="Sampling temperature; 0 is greedy.")
 TOP_P = typer.Option(1.0, "--top-p", help="Nucleus sampling: keep the most likely tokens up to this probability mass; 1 keeps all.")
 TOP_K = typer.Option(0, "--top-k", help="Keep only the k most likely tokens; 0 keeps all.")
@@ -70,7 +71,7 @@ def _auto_int(value: str, name: str) -> Optional[int]:
         fail(f"{name} takes a whole number or 'auto', got {value!r}")
 
 
-def _draft(drafter, beam_width, beam_length, max_nodes, no_lookup, lookup_max_ngram, lookup_beams):
+def _draft(drafter, beam_width, beam_length, max_nodes, no_lookup, lookup_max_ngram, lookup_beams, datastore_beams):
     """DraftSettings from the command line; 'auto' is the default search."""
     from redrafter_mlx.drafting import DraftSettings
 
@@ -81,7 +82,7 @@ def _draft(drafter, beam_width, beam_length, max_nodes, no_lookup, lookup_max_ng
         beam_width=DraftSettings.beam_width if width is None else width,
         beam_length=DraftSettings.beam_length if length is None else length,
         max_nodes=_auto_int(max_nodes, "--max-nodes"), lookup=not no_lookup,
-        lookup_max_ngram=lookup_max_ngram, lookup_beams=lookup_beams,
+        lookup_max_ngram=lookup_max_ngram, lookup_beams=lookup_beams, datastore_beams=datastore_beams,
     )
     settings.check()
     return settings
@@ -113,6 +114,7 @@ def generate(
     no_lookup: bool = NO_LOOKUP,
     lookup_max_ngram: int = LOOKUP_MAX_NGRAM,
     lookup_beams: int = LOOKUP_BEAMS,
+    datastore_beams: int = DATASTORE_BEAMS,
     ignore_chat_template: bool = typer.Option(False, "--ignore-chat-template", help="Encode the prompt as it is, without the chat template."),
     dtype: Optional[str] = DTYPE,
     quantize: Optional[int] = typer.Option(None, "--quantize", help="Re-quantize the base model to this many bits."),
@@ -125,7 +127,7 @@ def generate(
     from redrafter_mlx.prompts import read_prompts
 
     choose = _sampling(temp, top_p, top_k, min_p, repetition_penalty, seed)
-    draft = _draft(drafter, beam_width, beam_length, max_nodes, no_lookup, lookup_max_ngram, lookup_beams)
+    draft = _draft(drafter, beam_width, beam_length, max_nodes, no_lookup, lookup_max_ngram, lookup_beams, datastore_beams)
     check_settings(max_tokens, draft)
     if batch_size < 1:
         fail(f"batch size must be at least 1, got {batch_size}")
@@ -192,6 +194,7 @@ def chat(
     no_lookup: bool = NO_LOOKUP,
     lookup_max_ngram: int = LOOKUP_MAX_NGRAM,
     lookup_beams: int = LOOKUP_BEAMS,
+    datastore_beams: int = DATASTORE_BEAMS,
     system_prompt: Optional[str] = typer.Option(None, "--system-prompt", help="System message at the start of the conversation."),
     log_prompts: Optional[str] = LOG_PROMPTS,
     dtype: Optional[str] = DTYPE,
@@ -203,7 +206,7 @@ def chat(
     from redrafter_mlx.prompts import PromptLog
 
     choose = _sampling(temp, top_p, top_k, min_p, repetition_penalty, seed)
-    draft = _draft(drafter, beam_width, beam_length, max_nodes, no_lookup, lookup_max_ngram, lookup_beams)
+    draft = _draft(drafter, beam_width, beam_length, max_nodes, no_lookup, lookup_max_ngram, lookup_beams, datastore_beams)
     check_settings(max_tokens, draft)
     prompt_log = PromptLog(log_prompts, warn=lambda line: typer.echo(line, err=True)) if log_prompts else None
     redrafter, tokenizer = load(model, drafter, dtype=_dtype(dtype))
@@ -223,7 +226,7 @@ def bench(
     temp: float = TEMP,
     top_p: float = TOP_P,
     seed: int = SEED,
-    configs: str = typer.Option("auto,lookup,rnn:4x5,both:4x5", "--configs", help="Configurations to measure, comma-separated: auto (the default settings), final (those with the RNN's final beams only, no partial beams), lookup (context lookup only), rnn:WxL (the RNN's beams, all verified), both:WxL (those and one lookup continuation)."),
+    configs: str = typer.Option("auto,lookup,rnn:4x5,both:4x5", "--configs", help="Configurations to measure, comma-separated: auto (the default settings), final (those with the RNN's final beams only, no partial beams), nostore (those without datastore drafts), lookup (context lookup only), rnn:WxL (the RNN's beams, all verified), both:WxL (those and one lookup continuation)."),
     batch_size: int = typer.Option(1, "--batch-size", "-b", help="Prompts decoded together (1 compares against mlx-lm's own loop)."),
     repeats: int = typer.Option(1, "--repeats", help="Times each prompt batch is measured; its speed-up is the median of them."),
     calibrate: bool = typer.Option(False, "--calibrate", help="Measure this machine's verification cost curve again (it is cached) before the benchmark."),
@@ -435,6 +438,37 @@ def train(
 
 
 @app.command()
+def datastore(
+    data: List[str] = typer.Option(..., "--data", help="Distillation data folder made by `redrafter-mlx distill` for the drafter's base model; repeat for several."),
+    drafter: str = typer.Option(..., "--drafter", help="Drafter folder to add the datastore to (its datastore.npy is replaced)."),
+):
+    """Add a datastore to a drafter: the base model's distilled answers, from
+    which each step also drafts what the model most often wrote after the
+    context's last tokens. Answers to the prompts `train` holds out are left out."""
+    from pathlib import Path
+
+    from redrafter_mlx.datastore import Datastore
+    from redrafter_mlx.distill import DataFolder, Sequences
+    from redrafter_mlx.drafter import CONFIG_FILE, DrafterArgs, read_config
+    from redrafter_mlx.train import TrainConfig, held_out_sequences
+
+    config_path = Path(drafter) / CONFIG_FILE
+    if not config_path.is_file():
+        fail(f"drafter folder {drafter} has no {CONFIG_FILE}")
+    args = DrafterArgs.from_dict(read_config(config_path))
+    if len({os.path.realpath(path) for path in data}) < len(data):
+        fail("the same --data folder is given twice")
+    folders = [DataFolder(path) for path in data]
+    for folder in folders:
+        folder.check_model(args.vocab_size, args.hidden_size)
+    sequences = Sequences.concatenate([folder.load() for folder in folders])
+    keep = ~held_out_sequences(sequences.prompt_index, TrainConfig().eval_fraction)
+    store = Datastore.from_answers(sequences, keep, args.vocab_size)
+    path = store.save(drafter)
+    typer.echo(f"datastore written to {path}: {int((store.tokens >= 0).sum()):,} tokens of {int(keep.sum()):,} answers, {path.stat().st_size / 1e6:.1f} MB")
+
+
+@app.command()
 def convert(
     torch_path: str = typer.Option(..., "--torch-path", help="PyTorch drafter: a trainer output folder (config.json + model.safetensors or pytorch_model.bin), or one .pt/.bin/.safetensors state dict."),
     mlx_path: str = typer.Option("mlx_drafter", "--mlx-path", help="Output folder (must not exist or be empty)."),
@@ -500,6 +534,7 @@ def serve(
     no_lookup: bool = NO_LOOKUP,
     lookup_max_ngram: int = LOOKUP_MAX_NGRAM,
     lookup_beams: int = LOOKUP_BEAMS,
+    datastore_beams: int = DATASTORE_BEAMS,
     log_prompts: Optional[str] = LOG_PROMPTS,
     dtype: Optional[str] = DTYPE,
 ):
@@ -510,7 +545,7 @@ def serve(
         fail("--prompt-cache-mb and --max-tokens take numbers >= 0")
     if max_body_bytes < 1:
         fail(f"--max-body-bytes must be at least 1, got {max_body_bytes}")
-    draft = _draft(drafter, beam_width, beam_length, max_nodes, no_lookup, lookup_max_ngram, lookup_beams)
+    draft = _draft(drafter, beam_width, beam_length, max_nodes, no_lookup, lookup_max_ngram, lookup_beams, datastore_beams)
     from redrafter_mlx.prompts import PromptLog
 
     prompt_log = PromptLog(log_prompts, warn=lambda line: typer.echo(line, err=True)) if log_prompts else None

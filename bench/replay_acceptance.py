@@ -8,7 +8,9 @@ that is right about every token in its vocabulary: the ceiling that
 vocabulary puts on any drafter. With ``--lookup``, each shape is also
 replayed with one context-lookup continuation in the same tree, as
 ``generate`` drafts it (every node verified): a step accepts the longer of
-the two drafts' agreeing prefixes.
+the two drafts' agreeing prefixes. With ``--datastore N``, each shape is
+also replayed with N continuations from the drafter's datastore in the tree
+(``redrafter_mlx/datastore.py``), every node verified.
 
     python bench/replay_acceptance.py --drafter DRAFTER --data data/distill-smollm2-135m --shapes 1x5,4x5
 """
@@ -23,7 +25,8 @@ import numpy as np
 
 from redrafter_mlx.drafter import load_drafter
 from redrafter_mlx.errors import UserError
-from redrafter_mlx.replay import accepted_lengths, in_vocabulary_lengths, load_greedy_folder, step_figures, tokens_per_step, with_lookup
+from redrafter_mlx.datastore import load_datastore
+from redrafter_mlx.replay import accepted_lengths, datastore_lengths, in_vocabulary_lengths, load_greedy_folder, step_figures, tokens_per_step, with_lookup
 from redrafter_mlx.train import TrainConfig, build_positions, cached_positions, draft_index_map, draft_targets, drafter_loss
 
 
@@ -81,6 +84,7 @@ def main():
     parser.add_argument("--shapes", default="1x5,2x5,4x5,8x5")
     parser.add_argument("--all", action="store_true", help="Replay every sequence, not only held-out ones.")
     parser.add_argument("--lookup", action="store_true", help="Also replay each shape with one context-lookup continuation in the tree.")
+    parser.add_argument("--datastore", type=int, default=0, help="Also replay each shape with this many continuations from the drafter's datastore in the tree.")
     parser.add_argument("--temp", type=float, default=0.0, help="Also measure depth-1 agreement with the base model's samples at this temperature (``sampled_agreement``).")
     parser.add_argument("--later-rows", default="", help="Also replay each shape with the drafted tokens after the first taken from this many most frequent draft-vocabulary rows (comma-separated sizes).")
     args = parser.parse_args()
@@ -107,11 +111,22 @@ def main():
         bound = in_vocabulary_lengths(windows[:, :longest], np.array(draft_token_ids), base.vocab_size)
         result[f"draft_vocab_ceiling_x{longest}"] = round(tokens_per_step(bound, counts[keep]), 3)
     lookup = positions.lookup_depth[rows] if args.lookup else None
+    stored = None
+    if args.datastore:
+        datastore = load_datastore(args.drafter, base.vocab_size)
+        if datastore is None:
+            raise UserError(f"drafter {args.drafter} has no datastore (redrafter-mlx datastore adds one)")
+        stored = datastore_lengths(datastore, sequences, keep, longest - 1, args.datastore)
+        if lookup is not None:
+            result[f"lookup_{longest - 1}+datastore_drafted"] = round(tokens_per_step(with_lookup(stored, lookup, longest), counts[keep]), 3)
     for width, length in shapes:
         accepted = accepted_lengths(drafter, base.embed, row_hidden, windows[:, :length], width)
         if args.lookup:
             result[f"lookup_{length - 1}_drafted"] = round(tokens_per_step(with_lookup(np.zeros_like(accepted), lookup, length), counts[keep]), 3)
         result.update(step_figures(f"{width}x{length}", accepted, counts[keep], lookup, length))
+        if stored is not None:
+            both = np.maximum(accepted, np.minimum(stored, length - 1))
+            result.update(step_figures(f"{width}x{length}+datastore", both, counts[keep], lookup, length))
         for rows_kept in [int(r) for r in args.later_rows.split(",") if r]:
             shortlisted = accepted_lengths(drafter, base.embed, row_hidden, windows[:, :length], width, later_rows=rows_kept)
             result.update(step_figures(f"{width}x{length}_later{rows_kept}", shortlisted, counts[keep], lookup, length))

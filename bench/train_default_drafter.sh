@@ -60,6 +60,14 @@ save_drafter(drafter, "$SHIPPED", {
 })
 PY
 
+# 4b. Its datastore (session 23): the answers in every training data folder
+#    made for this model (train-chat.jsonl's and a fourth self-prompts folder
+#    included), prompts the trainer holds out left out.
+redrafter-mlx distill --prompts $PROMPTS/train-chat.jsonl --output $DATA-chat --batch-size 64 --max-tokens 256 --workers 2
+redrafter-mlx distill --self-prompts 1536 --seed 3 --output data/self-smollm2-135m-s3 --batch-size 64 --max-tokens 256 --workers 2
+redrafter-mlx datastore --drafter $SHIPPED --data $DATA --data $DATA-t0.7 --data $DATA-seed-t0.7 --data $DATA-chat \
+    --data data/self-smollm2-135m --data data/self-smollm2-135m-s1 --data data/self-smollm2-135m-s2 --data data/self-smollm2-135m-s3
+
 # 5. Greedy tokens per step and teacher-forced accuracy on all 352 dev
 #    prompts, 256 new tokens, replayed on the base model's greedy answers
 #    (made once, for evaluation only: never trained on), each shape alone and

@@ -65,7 +65,8 @@ class Config:
 
 def parse_configs(text: str) -> list[Config]:
     """``auto`` (the default settings), ``final`` (those, the RNN's final
-    beams only: no partial beams), ``lookup`` (lookup only, nodes by
+    beams only: no partial beams), ``nostore`` (those without datastore
+    drafts), ``lookup`` (lookup only, nodes by
     cost), ``rnn:WxL`` (the RNN's WxL beams, all verified), ``both:WxL``
     (those plus one lookup continuation), comma-separated."""
     configs = []
@@ -75,12 +76,14 @@ def parse_configs(text: str) -> list[Config]:
             draft = DraftSettings()
         elif kind == "final" and not shape:
             draft = DraftSettings(partial_beams=False)
+        elif kind == "nostore" and not shape:
+            draft = DraftSettings(datastore_beams=0)
         elif kind in ("rnn", "both") and shape.count("x") == 1 and all(p.isdigit() for p in shape.split("x")):
             draft = DraftSettings.rnn_only(*map(int, shape.split("x")))
             if kind == "both":
                 draft.lookup, draft.max_nodes = True, draft.max_nodes + draft.beam_length - 1
         else:
-            raise UserError(f"unknown bench configuration {name!r}; use auto, final, lookup, rnn:WxL or both:WxL")
+            raise UserError(f"unknown bench configuration {name!r}; use auto, final, nostore, lookup, rnn:WxL or both:WxL")
         configs.append(Config(name, draft))
     if not configs:
         raise UserError("no bench configuration given")
@@ -209,8 +212,8 @@ def run_benchmark(
     results = [ConfigResult(c.name) for c in configs]
     # Each configuration has its own acceptance history (lookup: no drafter).
     used = {
-        c.name: ReDrafter(redrafter.base, None if c.name == "lookup" else redrafter.drafter, redrafter.identity,
-                          "" if c.name == "lookup" else redrafter.drafter_identity)
+        c.name: ReDrafter(redrafter.base, redrafter.drafter, redrafter.identity, redrafter.drafter_identity, datastore=redrafter.datastore)
+        if c.name != "lookup" else ReDrafter(redrafter.base, None, redrafter.identity)
         for c in configs
     }
     # Warm-up: compile kernels and fill allocator caches for every path.

@@ -29,7 +29,7 @@ class AcceptanceStats:
     prefix was accepted are observed, so the ratio is conditional.
     """
 
-    PRIORS = {"rnn": (1.0, 2.0), "lookup": (0.5, 2.0)}
+    PRIORS = {"rnn": (1.0, 2.0), "lookup": (0.5, 2.0), "datastore": (0.8, 2.0)}  # datastore: held-out answers, bench/results/datastore.md
 
     def __init__(self, priors: Optional[dict] = None):
         self.priors = priors or {}
@@ -40,7 +40,7 @@ class AcceptanceStats:
         if key in self.priors:
             return self.priors[key]
         source = key[0]
-        return self.PRIORS["lookup" if source.startswith("lookup") else source]
+        return self.PRIORS[source.rstrip("0123456789")]  # lookup3 -> lookup
 
     def as_prior(self, weight: float) -> "AcceptanceStats":
         """Fresh statistics whose priors are these ratios (prior included),

@@ -1,12 +1,13 @@
-"""What each step verifies: the RNN's beams and context-lookup continuations,
-merged into one prefix tree per row and pruned to the nodes worth their
+"""What each step verifies: the RNN's beams, context-lookup continuations and
+datastore continuations, merged into one prefix tree per row and pruned to the nodes worth their
 verification cost.
 
 ``Speculator`` owns the per-run state: a lookup index per prompt, the
 on-line acceptance statistics, the machine's cost curve, and whether the
 RNN is worth running at all: its beam search costs time too, so the tokens
 per second of steps with and without its beams are compared, and when
-lookup alone does better it is turned off, and tried again now and then.
+the cheap sources alone (lookup and datastore) do better it is turned off,
+and tried again now and then.
 A mode's rate counts the tokens its steps really produced (the estimates
 that choose the nodes run high: the nodes kept are those whose estimates
 came out highest) over their seconds on the cost curve; until lookup-only
@@ -19,9 +20,10 @@ from typing import Optional
 import numpy as np
 
 from .budget import AcceptanceStats, best_node_count
+from .datastore import Datastore
 from .errors import UserError
 from .lookup import LookupIndex
-from .tree import RowTree, beam_drafts, candidate_tree, lookup_drafts, most_likely_nodes, prune
+from .tree import RowTree, beam_drafts, candidate_tree, datastore_drafts, lookup_drafts, most_likely_nodes, prune
 
 RNN_RETRY_STEPS = 16  # with the RNN turned off, run it again every this many steps
 LATER_VOCAB = 2048  # default later_vocab: see bench/results/issue14.md
@@ -38,7 +40,8 @@ class DraftSettings:
     max_nodes: drafted nodes verified per step; None chooses it each step
     from the cost curve. lookup: propose context-lookup continuations;
     lookup_max_ngram: longest suffix matched; lookup_beams: continuations
-    proposed per step. later_vocab: the RNN drafts its tokens after the
+    proposed per step. datastore_beams: continuations proposed per step
+    from the drafter's datastore, when it has one (0: none). later_vocab: the RNN drafts its tokens after the
     first from this many most frequent rows of its draft vocabulary (only a
     drafter whose rows are sorted so; None: all rows)."""
 
@@ -48,13 +51,14 @@ class DraftSettings:
     lookup: bool = True
     lookup_max_ngram: int = 3
     lookup_beams: int = 1
+    datastore_beams: int = 2
     later_vocab: Optional[int] = LATER_VOCAB
     partial_beams: bool = True
 
     @classmethod
     def rnn_only(cls, beam_width: int, beam_length: int) -> "DraftSettings":
         """The RNN's final beams alone, every node verified (the paper's method)."""
-        return cls(beam_width, beam_length, max_nodes=beam_width * (beam_length - 1), lookup=False, later_vocab=None, partial_beams=False)
+        return cls(beam_width, beam_length, max_nodes=beam_width * (beam_length - 1), lookup=False, datastore_beams=0, later_vocab=None, partial_beams=False)
 
     def check(self) -> None:
         if self.beam_width < 1:
@@ -67,6 +71,8 @@ class DraftSettings:
             raise UserError(f"lookup max n-gram must be at least 1, got {self.lookup_max_ngram}")
         if self.lookup_beams < 1:
             raise UserError(f"lookup beams must be at least 1, got {self.lookup_beams}")
+        if self.datastore_beams < 0:
+            raise UserError(f"datastore beams must be at least 0, got {self.datastore_beams}")
         if self.later_vocab is not None and self.later_vocab < 1:
             raise UserError(f"later draft vocabulary must be at least 1 row, got {self.later_vocab}")
 
@@ -82,11 +88,14 @@ class Speculator:
     before it drafts, ``drop`` it when it leaves.
 
     history: what earlier runs of this model and drafter had accepted
-    (``ReDrafter.acceptance``); this run starts from it and adds to it."""
+    (``ReDrafter.acceptance``); this run starts from it and adds to it.
+    datastore: the drafter's ``Datastore`` (None: no datastore drafts)."""
 
-    def __init__(self, settings: DraftSettings, has_drafter: bool, history: Optional[AcceptanceStats] = None):
+    def __init__(self, settings: DraftSettings, has_drafter: bool, history: Optional[AcceptanceStats] = None, datastore: Optional[Datastore] = None):
         self.settings = settings
         self.has_drafter = has_drafter
+        self.datastore = datastore if settings.datastore_beams else None
+        self.contexts = {}
         self.history = history
         self.stats = AcceptanceStats() if history is None else history.as_prior(CARRIED_WEIGHT)
         self.indexes = {}
@@ -98,11 +107,13 @@ class Speculator:
         self.steps = 0
 
     def track(self, row: int, context: list) -> None:
+        self.contexts[row] = context
         if self.settings.lookup:
             self.indexes[row] = LookupIndex(context, self.settings.lookup_max_ngram, self.settings.lookup_beams)
 
     def drop(self, row: int) -> None:
         self.indexes.pop(row, None)
+        self.contexts.pop(row, None)
 
     def use_rnn(self) -> bool:
         """Whether the next step drafts with the RNN."""
@@ -122,9 +133,9 @@ class Speculator:
         cost: the cost curve (``CostCurve``) when ``max_nodes`` is None."""
         estimate = self.stats.estimate
         length = self.settings.beam_length - 1
-        lookups = [lookup_drafts(self.indexes[r].propose(length), estimate) if self.indexes else [] for r in rows]
+        cheap = [self._cheap_drafts(r, length, estimate) for r in rows]
         rnn = [[] for _ in rows] if beams is None else [beam_drafts(b, c, estimate) for b, c in zip(beams, conditionals)]
-        candidates = [candidate_tree(root, a + b) for root, a, b in zip(roots, rnn, lookups)]
+        candidates = [candidate_tree(root, a + b) for root, a, b in zip(roots, rnn, cheap)]
         self.pending = None
         if self.settings.max_nodes is not None:
             return [prune(t, self.settings.max_nodes) for t in candidates]
@@ -138,12 +149,24 @@ class Speculator:
             count += 1
         mode = "rnn" if beams is not None else "lookup"
         self.pending = mode, cost(count + 1) + draft_seconds
-        if beams is not None and self.indexes and self.measured["lookup"] is None:
-            lookup_only = [most_likely_nodes(candidate_tree(root, d)) for root, d in zip(roots, lookups)]
+        if beams is not None and self.has_cheap_drafts and self.measured["lookup"] is None:
+            lookup_only = [most_likely_nodes(candidate_tree(root, d)) for root, d in zip(roots, cheap)]
             rate = best_node_count(lookup_only, cost, max(map(len, lookup_only)))[1]
             past = self.lookup_estimate
             self.lookup_estimate = rate if past is None else RATE_MEMORY * past + (1 - RATE_MEMORY) * rate
         return [prune(t, count) for t in candidates]
+
+    @property
+    def has_cheap_drafts(self) -> bool:
+        """Whether steps can draft without the RNN (context lookup or datastore)."""
+        return bool(self.indexes) or self.datastore is not None
+
+    def _cheap_drafts(self, row: int, length: int, estimate) -> list:
+        """A row's drafts that need no drafter run: context lookup's and the datastore's."""
+        drafts = lookup_drafts(self.indexes[row].propose(length), estimate) if row in self.indexes else []
+        if self.datastore is not None:
+            drafts += datastore_drafts(self.datastore.propose(self.contexts[row], length, self.settings.datastore_beams), estimate)
+        return drafts
 
     def rate(self, mode: str) -> Optional[float]:
         """Tokens per second of the steps verified with (``"rnn"``) or
@@ -168,5 +191,5 @@ class Speculator:
         past = self.measured[mode]
         m = MEASURED_MEMORY
         self.measured[mode] = (tokens, seconds) if past is None else (m * past[0] + (1 - m) * tokens, m * past[1] + (1 - m) * seconds)
-        if self.has_drafter and self.indexes and None not in (self.rate("rnn"), self.rate("lookup")):
+        if self.has_drafter and self.has_cheap_drafts and None not in (self.rate("rnn"), self.rate("lookup")):
             self.rnn_on = self.rate("rnn") >= self.rate("lookup")

@@ -1,6 +1,6 @@
 """The ReDrafter generation loop.
 
-One step: draft with the RNN's beam search and with context lookup, merge
+One step: draft with the RNN's beam search, context lookup and the datastore, merge
 the drafts into one prefix tree per row, keep the nodes worth their
 verification cost, verify the tree in one forward pass of the base model,
 accept the longest agreeing path plus a bonus token, and keep only that path
@@ -23,6 +23,7 @@ from .acceptance import accept
 from .base_model import BaseModel
 from .beam_search import beam_search
 from .budget import AcceptanceStats
+from .datastore import Datastore
 from .drafter import Drafter
 from .errors import UserError
 from .cost import cost_curve
@@ -49,6 +50,7 @@ class ReDrafter:
     (``loading.model_identity``), which key the cached cost curves.
     acceptance: what this pair's runs so far had accepted, per draft source
     and depth; each run starts from it (``drafting.Speculator``).
+    datastore: the drafter's datastore (``datastore.Datastore``), if it has one.
     """
 
     base: BaseModel
@@ -56,6 +58,7 @@ class ReDrafter:
     identity: str = ""
     drafter_identity: str = ""
     acceptance: AcceptanceStats = field(default_factory=AcceptanceStats, repr=False, compare=False)
+    datastore: Optional[Datastore] = field(default=None, repr=False, compare=False)
 
 
 @dataclass
@@ -288,7 +291,7 @@ class Decoder:
         self.cost_batch_sizes = sorted(cost_batch_sizes)
         self.costs = {}
         self.tracker = RowTracker([], 0, eos_token_ids)
-        self.speculator = Speculator(draft, redrafter.drafter is not None, redrafter.acceptance)
+        self.speculator = Speculator(draft, redrafter.drafter is not None, redrafter.acceptance, redrafter.datastore)
         self.layout = self.cache = self.rnn = None
         self.leaving = set()
         self.sync = _Sync(timing)

@@ -1,5 +1,5 @@
 """Loading a base model (mlx-lm / Hugging Face folder, Hub id, or GGUF file)
-and its drafter."""
+and its drafter (with the drafter's datastore, when its folder holds one)."""
 
 import hashlib
 import json
@@ -13,6 +13,7 @@ import numpy as np
 from . import gguf
 from .base_model import BaseModel
 from .blas import blas_name
+from .datastore import load_datastore
 from .drafter import CONFIG_FILE, WEIGHTS_FILE, check_compatible, load_drafter
 from .errors import UserError
 from .generate import ReDrafter
@@ -157,4 +158,5 @@ def load(
     check_compatible(draft_model.args, base.hidden_size, base.vocab_size)
     draft_model.set_dtype(base.dtype)  # compute like the base model
     mx.eval(base.model.parameters(), draft_model.parameters())
-    return ReDrafter(base, draft_model, identity, drafter_identity(drafter)), tokenizer
+    datastore = load_datastore(drafter, base.vocab_size)
+    return ReDrafter(base, draft_model, identity, drafter_identity(drafter), datastore=datastore), tokenizer

@@ -77,6 +77,26 @@ def with_lookup(accepted: np.ndarray, lookup_depth: np.ndarray, length: int) -> 
     return np.maximum(accepted, np.minimum(lookup_depth, length - 1))
 
 
+def datastore_lengths(datastore, sequences: Sequences, keep: np.ndarray, depth: int, beams: int) -> np.ndarray:
+    """Drafts accepted at each position of the sequences ``keep`` (n,)
+    selects, in order, from a datastore's ``beams`` continuations of
+    ``depth`` tokens (``Datastore.propose``) of the context x[0] .. x[t+1]:
+    the longest agreeing prefix with x[t+2] ..."""
+    starts = np.concatenate([[0], np.cumsum(sequences.lengths)[:-1]])
+    out = []
+    for i in np.flatnonzero(keep):
+        sequence = sequences.tokens[starts[i] : starts[i] + sequences.lengths[i]].tolist()
+        for t in range(int(sequences.prompt_lengths[i]) - 1, len(sequence) - 1):
+            target, best = sequence[t + 2 : t + 2 + depth], 0
+            for drafted, _, _ in datastore.propose(sequence[: t + 2], depth, beams):
+                agree = 0
+                while agree < min(len(drafted), len(target)) and drafted[agree] == target[agree]:
+                    agree += 1
+                best = max(best, agree)
+            out.append(best)
+    return np.array(out, np.int64)
+
+
 def count_steps(accepted: np.ndarray, counts: np.ndarray) -> int:
     """Steps to generate every sequence, as generation counts them.
 

@@ -128,13 +128,21 @@ def lookup_depths(sequence: list, first: int, count: int, depth: int, max_ngram:
     return matched
 
 
+def held_out_sequences(prompt_index: np.ndarray, eval_fraction: float) -> np.ndarray:
+    """(n,) bool: the sequences held out from training, by their prompt's
+    index (every round(1 / eval_fraction)-th prompt; none for 0)."""
+    if eval_fraction <= 0:
+        return np.zeros(len(prompt_index), bool)
+    return np.asarray(prompt_index) % max(int(round(1 / eval_fraction)), 2) == 0
+
+
 def build_positions(sequences: Sequences, depth: int, eval_fraction: float, with_lookup: bool = False) -> Positions:
     """All training positions; with ``with_lookup``, also how deep context
     lookup drafts right at each (else 0)."""
     counts = cached_positions(sequences)
     starts = np.concatenate([[0], np.cumsum(sequences.lengths)[:-1]])
     rows, windows, held, lookup = [], [], [], []
-    every = max(int(round(1 / eval_fraction)), 2) if eval_fraction > 0 else 0
+    held_out = held_out_sequences(sequences.prompt_index, eval_fraction)
     row = 0
     for i, n in enumerate(counts):
         seq = sequences.tokens[starts[i] : starts[i] + sequences.lengths[i]]
@@ -143,7 +151,7 @@ def build_positions(sequences: Sequences, depth: int, eval_fraction: float, with
         index = first + 1 + np.arange(n)[:, None] + np.arange(depth + 1)[None, :]
         windows.append(padded[index])
         rows.append(np.arange(row, row + n))
-        held.append(np.full(n, every and sequences.prompt_index[i] % every == 0))
+        held.append(np.full(n, held_out[i]))
         lookup.append(lookup_depths(seq.tolist(), first, n, depth) if with_lookup else np.zeros(n, np.int64))
         row += n
     return Positions(np.concatenate(rows), np.concatenate(windows).astype(np.int32), np.concatenate(held), np.concatenate(lookup))

@@ -4,7 +4,7 @@ only the nodes most likely to be accepted.
 
 Drafts ``Mars is a red / Mars is reddish when / Mars is dark red`` share
 ``Mars is``; packed, they are 8 nodes instead of 12. Drafts come from any
-deterministic source (the RNN's beams, context lookup); each drafted token
+deterministic source (the RNN's beams, context lookup, a datastore); each drafted token
 carries an estimate of P(accepted | its prefix accepted), so each node has
 P(accepted) = the product along its path (the best over the drafts through
 it). The ``max_nodes`` most likely nodes form an ancestor-closed subtree,
@@ -187,3 +187,13 @@ def lookup_drafts(proposals: list, estimate) -> list[Draft]:
         drafts.append(Draft(tokens, keys, [estimate(k, 1.0) for k in keys], [1.0] * len(tokens)))
     return drafts
 
+
+
+def datastore_drafts(proposals: list, estimate) -> list[Draft]:
+    """Datastore continuations ``(tokens, shares, n)`` as drafts, judged
+    per matched n-gram length and depth, each token's share its prediction."""
+    drafts = []
+    for tokens, shares, n in proposals:
+        keys = [(f"datastore{n}", d) for d in range(1, len(tokens) + 1)]
+        drafts.append(Draft(tokens, keys, [estimate(k, f) for k, f in zip(keys, shares)], shares))
+    return drafts

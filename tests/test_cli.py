@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from conftest import run_cli
 
+from redrafter_mlx.datastore import load_datastore
 from redrafter_mlx.distill import DataFolder
 from redrafter_mlx.drafter import DrafterArgs, Drafter, save_drafter
 
@@ -148,8 +149,26 @@ def test_distill_then_train_on_two_folders_gives_a_drafter_generate_loads(tmp_pa
     assert result.returncode == 0, result.stderr
     training = json.loads((tmp_path / "drafter" / "config.json").read_text())["training"]
     assert training["sequences"] == 9 and [s["temp"] for s in training["distill_settings"]] == [0.0, 0.7]
-    result = run_cli("generate", "--drafter", tmp_path / "drafter", "--prompt", "Say hi.", "--max-tokens", 8)
+    result = run_cli("generate", "--drafter", tmp_path / "drafter", "--prompt", "Say hi.", "--max-tokens", 8, "--json")
     assert result.returncode == 0 and result.stdout.strip(), result.stderr
+    greedy_text = json.loads(result.stdout)["text"]
+    store = ("datastore", "--data", tmp_path / "greedy", "--data", tmp_path / "sampled", "--drafter", tmp_path / "drafter")
+    result = run_cli(*store)
+    assert result.returncode == 0 and "of 6 answers" in result.stdout, result.stderr  # prompt 0's are held out
+    greedy = DataFolder(tmp_path / "greedy").load()
+    kept = greedy.sequence(int(np.flatnonzero(greedy.prompt_index == 1)[0])).tolist()
+    proposals = load_datastore(tmp_path / "drafter", 49152).propose(kept[:-1], 1, beams=3)
+    assert proposals[0][2] == 4 and kept[-1] in [tokens[0] for tokens, _, _ in proposals]
+    result = run_cli("generate", "--drafter", tmp_path / "drafter", "--prompt", "Say hi.", "--max-tokens", 8, "--json")
+    assert result.returncode == 0 and json.loads(result.stdout)["text"] == greedy_text, result.stderr
+    other = tmp_path / "other-model"
+    shutil.copytree(tmp_path / "greedy", other)
+    meta = json.loads((other / "meta.json").read_text())
+    (other / "meta.json").write_text(json.dumps(dict(meta, vocab_size=1000)))
+    before = (tmp_path / "drafter" / "datastore.npy").read_bytes()
+    assert_clean_error(run_cli(*store[:-2], "--data", other, *store[-2:]), "was made for a model with vocab_size 1000")
+    assert_clean_error(run_cli(*store[:-1], tmp_path / "greedy"), "has no config.json")
+    assert (tmp_path / "drafter" / "datastore.npy").read_bytes() == before
     assert_clean_error(run_cli(*train[:4], tmp_path / "greedy", *train[5:]), "given twice")
     assert_clean_error(run_cli(*train[:4], tmp_path, *train[5:]), "not a distillation data folder")
     assert_clean_error(run_cli(*train, "--freeze-head-steps", 2), "needs --warm-start")
@@ -260,6 +279,7 @@ def test_a_model_with_no_shipped_drafter_drafts_by_lookup_and_says_so(chat_model
         (["--max-nodes", "many"], "--max-nodes takes a whole number"),
         (["--lookup-max-ngram", 0], "lookup max n-gram"),
         (["--lookup-beams", 0], "lookup beams"),
+        (["--datastore-beams", -1], "datastore beams"),
         (["--drafter", "none", "--beam-width", 4], "does not go with --drafter none"),
         (["--model", "/no/such/path"], "model not found: /no/such/path"),
         (["--model", "missing.gguf"], "model not found: missing.gguf"),

@@ -123,6 +123,7 @@ def test_later_vocab_applies_only_to_a_sorted_draft_vocabulary():
         (dict(max_nodes=-1), "max nodes"),
         (dict(lookup_max_ngram=0), "lookup max n-gram"),
         (dict(lookup_beams=0), "lookup beams"),
+        (dict(datastore_beams=-1), "datastore beams"),
         (dict(beam_width=0), "beam width"),
         (dict(later_vocab=0), "later draft vocabulary"),
     ],

@@ -12,7 +12,9 @@ from redrafter_mlx.distill import DataFolder, distill, response_stream
 from redrafter_mlx.drafting import DraftSettings
 from redrafter_mlx.generate import ReDrafter, generate_steps
 from redrafter_mlx.errors import UserError
-from redrafter_mlx.replay import accepted_lengths, count_steps, in_vocabulary_lengths, load_greedy_folder, step_figures, tokens_per_step, with_lookup
+from redrafter_mlx.datastore import Datastore
+from redrafter_mlx.distill import Sequences
+from redrafter_mlx.replay import accepted_lengths, count_steps, datastore_lengths, in_vocabulary_lengths, load_greedy_folder, step_figures, tokens_per_step, with_lookup
 from redrafter_mlx.sampling import SamplingSettings
 from redrafter_mlx.train import build_positions, cached_positions, compute_hidden_cache
 
@@ -35,6 +37,19 @@ def test_step_figures_with_and_without_lookup():
     # there (2 tokens kept, capped at length - 1) instead of two.
     lookup = np.array([0, 0, 0, 0, 0, 2, 0, 0])
     assert step_figures("2x3", accepted, counts, lookup, 3) == {"2x3": 1.5, "2x3+lookup": 2.0}
+
+
+def test_datastore_lengths_by_hand():
+    # Prompt 9 9, answer 1 2 3 4: at t = 1 .. 4 the context ends at x[t+1]
+    # (1, 2, 3, 4) and the drafts are checked against x[t+2] .. The store
+    # holds 1 2 3 5 and 3 4. After "1" it drafts 2 3 (both right); after
+    # "1 2", 3 5 (one); after "2 3", the longest suffix found, 5 (wrong,
+    # though "3" alone was followed by 4); after the answer's end nothing is
+    # there to agree with.
+    sequences = Sequences(np.array([0, 1]), np.array([2, 1]), np.array([6, 2]), np.array([9, 9, 1, 2, 3, 4, 7, 7]))
+    store = Datastore.from_sequences([[1, 2, 3, 5], [3, 4]], vocab_size=10)
+    assert datastore_lengths(store, sequences, np.array([True, False]), 2, 1).tolist() == [2, 1, 0, 0]
+    assert datastore_lengths(store, sequences, np.array([False, True]), 2, 1).tolist() == [0]
 
 
 def test_in_vocabulary_lengths():
