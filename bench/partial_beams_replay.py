@@ -11,7 +11,9 @@ node ranked by the drafter's probability of its path, as ``prune`` ranks
 them before ``generate`` has calibrated its estimates. A step accepts the
 longest tree path that matches the base model's greedy continuation; with
 ``--lookup`` one context-lookup continuation joins both trees unpruned (the
-longer agreeing prefix of the two counts, as ``replay.with_lookup``).
+longer agreeing prefix of the two counts, as ``replay.with_lookup``); with
+``--datastore N``, N continuations from the drafter's datastore join them
+too, unpruned (figures named ``+datastore``).
 
     python bench/partial_beams_replay.py --drafter DRAFTER --data data/eval-dev-smollm2-135m --shapes 4x5
 """
@@ -25,9 +27,10 @@ import mlx.core as mx
 import numpy as np
 
 from redrafter_mlx.beam_search import beam_search
+from redrafter_mlx.datastore import load_datastore
 from redrafter_mlx.drafter import load_drafter
 from redrafter_mlx.errors import UserError
-from redrafter_mlx.replay import load_greedy_folder, step_figures
+from redrafter_mlx.replay import datastore_lengths, load_greedy_folder, step_figures
 from redrafter_mlx.train import build_positions, cached_positions
 from redrafter_mlx.tree import beam_drafts, candidate_tree, prune
 
@@ -80,6 +83,7 @@ def main():
     parser.add_argument("--shapes", default="2x5,4x5,8x5")
     parser.add_argument("--budgets", default="4,8,12,16", help="Fixed node budgets, comma-separated, besides the final beams' own count.")
     parser.add_argument("--lookup", action="store_true")
+    parser.add_argument("--datastore", type=int, default=0, help="Also add this many continuations from the drafter's datastore to both trees.")
     args = parser.parse_args()
 
     base, sequences, hidden = load_greedy_folder(args.data, args.model)
@@ -90,12 +94,20 @@ def main():
     counts = cached_positions(sequences)
     windows, row_hidden = positions.tokens, hidden[positions.hidden_row]
     lookup = positions.lookup_depth if args.lookup else None
+    stored = None
+    if args.datastore:
+        datastore = load_datastore(args.drafter, base.vocab_size)
+        if datastore is None:
+            raise UserError(f"drafter {args.drafter} has no datastore")
+        stored = datastore_lengths(datastore, sequences, np.ones(len(counts), bool), windows.shape[1] - 1, args.datastore)
     for width, length in shapes:
         accepted, nodes = replay_shape(drafter, base.embed, row_hidden, windows, width, length, budgets)
         result = {"drafter": args.drafter, "data": args.data, "shape": f"{width}x{length}", "final_beam_nodes": round(nodes, 2)}
         for budget, runs in accepted.items():
             for kind, a in runs.items():
                 result.update(step_figures(f"{kind}@{budget}", a, counts, lookup, length))
+                if stored is not None:
+                    result.update(step_figures(f"{kind}@{budget}+datastore", np.maximum(a, np.minimum(stored, length - 1)), counts, lookup, length))
         print(json.dumps(result), flush=True)
 
 

@@ -1,6 +1,6 @@
 """What each step verifies: the RNN's beams, context-lookup continuations and
-datastore continuations, merged into one prefix tree per row and pruned to the nodes worth their
-verification cost.
+datastore continuations, merged into one prefix tree per row and pruned to
+the nodes worth their verification cost.
 
 ``Speculator`` owns the per-run state: a lookup index per prompt, the
 on-line acceptance statistics, the machine's cost curve, and whether the
@@ -10,8 +10,8 @@ the cheap sources alone (lookup and datastore) do better it is turned off,
 and tried again now and then.
 A mode's rate counts the tokens its steps really produced (the estimates
 that choose the nodes run high: the nodes kept are those whose estimates
-came out highest) over their seconds on the cost curve; until lookup-only
-steps have run, their rate is the estimate.
+came out highest) over their seconds on the cost curve; until steps
+without the RNN (mode "lookup") have run, their rate is the estimate.
 """
 
 from dataclasses import dataclass
@@ -41,9 +41,10 @@ class DraftSettings:
     from the cost curve. lookup: propose context-lookup continuations;
     lookup_max_ngram: longest suffix matched; lookup_beams: continuations
     proposed per step. datastore_beams: continuations proposed per step
-    from the drafter's datastore, when it has one (0: none). later_vocab: the RNN drafts its tokens after the
-    first from this many most frequent rows of its draft vocabulary (only a
-    drafter whose rows are sorted so; None: all rows)."""
+    from the drafter's datastore, when it has one (0: none). later_vocab:
+    the RNN drafts its tokens after the first from this many most frequent
+    rows of its draft vocabulary (only a drafter whose rows are sorted so;
+    None: all rows)."""
 
     beam_width: int = 4
     beam_length: int = 5
@@ -150,8 +151,8 @@ class Speculator:
         mode = "rnn" if beams is not None else "lookup"
         self.pending = mode, cost(count + 1) + draft_seconds
         if beams is not None and self.has_cheap_drafts and self.measured["lookup"] is None:
-            lookup_only = [most_likely_nodes(candidate_tree(root, d)) for root, d in zip(roots, cheap)]
-            rate = best_node_count(lookup_only, cost, max(map(len, lookup_only)))[1]
+            cheap_only = [most_likely_nodes(candidate_tree(root, d)) for root, d in zip(roots, cheap)]
+            rate = best_node_count(cheap_only, cost, max(map(len, cheap_only)))[1]
             past = self.lookup_estimate
             self.lookup_estimate = rate if past is None else RATE_MEMORY * past + (1 - RATE_MEMORY) * rate
         return [prune(t, count) for t in candidates]

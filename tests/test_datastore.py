@@ -10,12 +10,14 @@ from mlx_lm.generate import generate_step
 
 import mlx.core as mx
 from redrafter_mlx import datastore as datastore_module
+from redrafter_mlx.autoregressive import autoregressive_steps
 from redrafter_mlx.base_model import BaseModel
 from redrafter_mlx.datastore import Datastore, load_datastore
 from redrafter_mlx.distill import Sequences
 from redrafter_mlx.drafting import DraftSettings, Speculator
 from redrafter_mlx.errors import UserError
 from redrafter_mlx.generate import ReDrafter, generate_steps
+from redrafter_mlx.sampling import SamplingSettings, make_chooser
 
 
 def brute_force(sequences, context, length, beams, max_ngram):
@@ -144,3 +146,24 @@ def test_greedy_generation_with_a_datastore_is_plain_greedy_decoding():
             tokens += step[0].tokens
         assert tokens == want
     assert sum(v for (source, _), v in runs[0].acceptance.accepted.items() if source.startswith("datastore")) > 0  # its drafts were verified and accepted
+
+
+def test_seeded_sampling_with_a_datastore_equals_plain_sampling():
+    """Sampled output is the base model's own with or without datastore
+    drafts: a batch whose datastore holds the plain samples themselves (so
+    its drafts are often right, and accepted) draws exactly the tokens plain
+    decoding draws with the same seed."""
+    base = BaseModel(tiny_model("llama", seed=12))
+    prompts = [[5, 17, 42, 99, 3], [9, 8], [100, 101, 102, 1, 2, 3, 4]]
+    choose = make_chooser(SamplingSettings(temp=0.8, top_k=5, seed=123))
+    plain = [[] for _ in prompts]
+    for step in autoregressive_steps(base, prompts, max_tokens=40, choose=choose):
+        for out in step:
+            plain[out.row] += out.tokens
+    redrafter = ReDrafter(base, tiny_drafter(seed=1), datastore=Datastore.from_sequences(plain, base.vocab_size))
+    got = [[] for _ in prompts]
+    for step in generate_steps(redrafter, prompts, max_tokens=40, beam_width=2, beam_length=4, choose=choose, lookup=False):
+        for out in step:
+            got[out.row] += out.tokens
+    assert got == plain
+    assert sum(v for (source, _), v in redrafter.acceptance.accepted.items() if source.startswith("datastore")) > 0
