@@ -115,8 +115,8 @@ class Datastore:
         continuing tokens[:i] that go on with tokens[i], counting one unseen
         occurrence more (a single occurrence predicts 1/2: on held-out
         answers of the default model, a continuation seen once was right 38 %
-        of the time, one seen in 60 % of 16-128 occurrences 50 %); n the
-        matched suffix's length."""
+        of the time; ``bench/results/datastore.md``); n the matched suffix's
+        length."""
         found, n = self.matches(context)
         if not len(found):
             return []
