@@ -4,8 +4,8 @@ only the nodes most likely to be accepted.
 
 Drafts ``Mars is a red / Mars is reddish when / Mars is dark red`` share
 ``Mars is``; packed, they are 8 nodes instead of 12. Drafts come from any
-deterministic source (the RNN's beams, context lookup, a datastore); each drafted token
-carries an estimate of P(accepted | its prefix accepted), so each node has
+deterministic source (the RNN's beams, context lookup, a datastore); each
+drafted token carries an estimate of P(accepted | its prefix accepted), so each node has
 P(accepted) = the product along its path (the best over the drafts through
 it). The ``max_nodes`` most likely nodes form an ancestor-closed subtree,
 since a node is never more likely than its parent. Node order keeps every
@@ -186,7 +186,6 @@ def lookup_drafts(proposals: list, estimate) -> list[Draft]:
         keys = [(f"lookup{n}", d) for d in range(1, len(tokens) + 1)]
         drafts.append(Draft(tokens, keys, [estimate(k, 1.0) for k in keys], [1.0] * len(tokens)))
     return drafts
-
 
 
 def datastore_drafts(proposals: list, estimate) -> list[Draft]:
