@@ -45,9 +45,7 @@ def main():
     args = parser.parse_args()
     sequences = Sequences.concatenate([DataFolder(path).load() for path in args.data])
     vocab_size = DataFolder(args.data[0]).meta["vocab_size"]
-    datastore = load_datastore(args.drafter, vocab_size)
-    if datastore is None:
-        raise UserError(f"drafter {args.drafter} has no datastore")
+    datastore = load_datastore(args.drafter, vocab_size, required=True)
     drafts = first_drafts(datastore, sequences, held_out_sequences(sequences.prompt_index, TrainConfig().eval_fraction))
     found, n, share, right = drafts.T
     print(json.dumps({"positions": len(drafts), "predicted": round(share.mean(), 3), "right": round(right.mean(), 3)}))

@@ -11,7 +11,7 @@ node ranked by the drafter's probability of its path, as ``prune`` ranks
 them before ``generate`` has calibrated its estimates. A step accepts the
 longest tree path that matches the base model's greedy continuation; with
 ``--lookup`` one context-lookup continuation joins both trees unpruned (the
-longer agreeing prefix of the two counts, as ``replay.with_lookup``); with
+longer agreeing prefix of the two counts, as ``replay.with_continuation``); with
 ``--datastore N``, N continuations from the drafter's datastore join them
 too, unpruned (figures named ``+datastore``).
 
@@ -30,7 +30,7 @@ from redrafter_mlx.beam_search import beam_search
 from redrafter_mlx.datastore import load_datastore
 from redrafter_mlx.drafter import load_drafter
 from redrafter_mlx.errors import UserError
-from redrafter_mlx.replay import datastore_lengths, load_greedy_folder, step_figures
+from redrafter_mlx.replay import datastore_lengths, load_greedy_folder, step_figures, with_continuation
 from redrafter_mlx.train import build_positions, cached_positions
 from redrafter_mlx.tree import beam_drafts, candidate_tree, prune
 
@@ -96,9 +96,7 @@ def main():
     lookup = positions.lookup_depth if args.lookup else None
     stored = None
     if args.datastore:
-        datastore = load_datastore(args.drafter, base.vocab_size)
-        if datastore is None:
-            raise UserError(f"drafter {args.drafter} has no datastore")
+        datastore = load_datastore(args.drafter, base.vocab_size, required=True)
         stored = datastore_lengths(datastore, sequences, np.ones(len(counts), bool), windows.shape[1] - 1, args.datastore)
     for width, length in shapes:
         accepted, nodes = replay_shape(drafter, base.embed, row_hidden, windows, width, length, budgets)
@@ -107,7 +105,7 @@ def main():
             for kind, a in runs.items():
                 result.update(step_figures(f"{kind}@{budget}", a, counts, lookup, length))
                 if stored is not None:
-                    result.update(step_figures(f"{kind}@{budget}+datastore", np.maximum(a, np.minimum(stored, length - 1)), counts, lookup, length))
+                    result.update(step_figures(f"{kind}@{budget}+datastore", with_continuation(a, stored, length), counts, lookup, length))
         print(json.dumps(result), flush=True)
 
 

@@ -26,7 +26,7 @@ import numpy as np
 from redrafter_mlx.drafter import load_drafter
 from redrafter_mlx.errors import UserError
 from redrafter_mlx.datastore import load_datastore
-from redrafter_mlx.replay import accepted_lengths, datastore_lengths, in_vocabulary_lengths, load_greedy_folder, step_figures, tokens_per_step, with_lookup
+from redrafter_mlx.replay import accepted_lengths, datastore_lengths, in_vocabulary_lengths, load_greedy_folder, step_figures, tokens_per_step, with_continuation
 from redrafter_mlx.train import TrainConfig, build_positions, cached_positions, draft_index_map, draft_targets, drafter_loss
 
 
@@ -113,19 +113,17 @@ def main():
     lookup = positions.lookup_depth[rows] if args.lookup else None
     stored = None
     if args.datastore:
-        datastore = load_datastore(args.drafter, base.vocab_size)
-        if datastore is None:
-            raise UserError(f"drafter {args.drafter} has no datastore (redrafter-mlx datastore adds one)")
+        datastore = load_datastore(args.drafter, base.vocab_size, required=True)
         stored = datastore_lengths(datastore, sequences, keep, longest - 1, args.datastore)
         if lookup is not None:
-            result[f"lookup_{longest - 1}+datastore_drafted"] = round(tokens_per_step(with_lookup(stored, lookup, longest), counts[keep]), 3)
+            result[f"lookup_{longest - 1}+datastore_drafted"] = round(tokens_per_step(with_continuation(stored, lookup, longest), counts[keep]), 3)
     for width, length in shapes:
         accepted = accepted_lengths(drafter, base.embed, row_hidden, windows[:, :length], width)
         if args.lookup:
-            result[f"lookup_{length - 1}_drafted"] = round(tokens_per_step(with_lookup(np.zeros_like(accepted), lookup, length), counts[keep]), 3)
+            result[f"lookup_{length - 1}_drafted"] = round(tokens_per_step(with_continuation(np.zeros_like(accepted), lookup, length), counts[keep]), 3)
         result.update(step_figures(f"{width}x{length}", accepted, counts[keep], lookup, length))
         if stored is not None:
-            both = np.maximum(accepted, np.minimum(stored, length - 1))
+            both = with_continuation(accepted, stored, length)
             result.update(step_figures(f"{width}x{length}+datastore", both, counts[keep], lookup, length))
         for rows_kept in [int(r) for r in args.later_rows.split(",") if r]:
             shortlisted = accepted_lengths(drafter, base.embed, row_hidden, windows[:, :length], width, later_rows=rows_kept)

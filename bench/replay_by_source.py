@@ -15,7 +15,7 @@ import redrafter_mlx  # noqa: F401  (preloads OpenBLAS before mlx.core)
 import numpy as np
 
 from redrafter_mlx.drafter import load_drafter
-from redrafter_mlx.replay import accepted_lengths, load_greedy_folder, step_figures, tokens_per_step, with_lookup
+from redrafter_mlx.replay import accepted_lengths, load_greedy_folder, step_figures, tokens_per_step, with_continuation
 from redrafter_mlx.train import build_positions, cached_positions
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -44,7 +44,7 @@ def main():
             print(json.dumps({
                 "drafter": path, "source": source, "sequences": int(keep.sum()), "accuracy": accuracy,
                 **step_figures(f"{WIDTH}x{LENGTH}", accepted, n, lookup, LENGTH),
-                "lookup": round(tokens_per_step(with_lookup(np.zeros_like(accepted), lookup, LENGTH), n), 3),
+                "lookup": round(tokens_per_step(with_continuation(np.zeros_like(accepted), lookup, LENGTH), n), 3),
             }), flush=True)
 
 

@@ -141,10 +141,13 @@ class Datastore:
         return proposals
 
 
-def load_datastore(folder, vocab_size: int) -> Optional[Datastore]:
-    """The datastore in a drafter folder, or None when it has none."""
+def load_datastore(folder, vocab_size: int, required: bool = False) -> Optional[Datastore]:
+    """The datastore in a drafter folder, or None when it has none (an
+    error when ``required``)."""
     path = Path(folder) / FILE
     if not path.exists():
+        if required:
+            raise UserError(f"drafter {folder} has no datastore (redrafter-mlx datastore adds one)")
         return None
     try:
         tokens = np.load(path, allow_pickle=False)

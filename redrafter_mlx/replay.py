@@ -69,12 +69,13 @@ def in_vocabulary_lengths(windows: np.ndarray, draft_token_ids: np.ndarray, voca
     return np.cumprod(in_vocab[windows[:, 1:]], axis=-1).sum(-1)
 
 
-def with_lookup(accepted: np.ndarray, lookup_depth: np.ndarray, length: int) -> np.ndarray:
-    """Drafts accepted per position when one context-lookup continuation
-    (``train.lookup_depths``: how many of its tokens are right) joins beams
-    of ``length`` in the tree, every node verified: the longer agreeing
-    prefix of the two."""
-    return np.maximum(accepted, np.minimum(lookup_depth, length - 1))
+def with_continuation(accepted: np.ndarray, depth: np.ndarray, length: int) -> np.ndarray:
+    """Drafts accepted per position when other continuations join beams of
+    ``length`` in the tree, every node verified: context lookup's
+    (``train.lookup_depths``) or a datastore's (``datastore_lengths``),
+    ``depth`` (R,) how many of their tokens are right. The longer agreeing
+    prefix counts."""
+    return np.maximum(accepted, np.minimum(depth, length - 1))
 
 
 def datastore_lengths(datastore, sequences: Sequences, keep: np.ndarray, depth: int, beams: int) -> np.ndarray:
@@ -124,8 +125,8 @@ def tokens_per_step(accepted: np.ndarray, counts: np.ndarray) -> Optional[float]
 def step_figures(name: str, accepted: np.ndarray, counts: np.ndarray, lookup_depth: Optional[np.ndarray], length: int) -> dict:
     """``{name: tokens per step}``, and with ``lookup_depth`` also
     ``{name + "+lookup": the same with one lookup continuation in the tree}``
-    (``with_lookup``), rounded to three places as the result files keep them."""
+    (``with_continuation``), rounded to three places as the result files keep them."""
     figures = {name: round(tokens_per_step(accepted, counts), 3)}
     if lookup_depth is not None:
-        figures[f"{name}+lookup"] = round(tokens_per_step(with_lookup(accepted, lookup_depth, length), counts), 3)
+        figures[f"{name}+lookup"] = round(tokens_per_step(with_continuation(accepted, lookup_depth, length), counts), 3)
     return figures

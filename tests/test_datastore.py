@@ -167,3 +167,8 @@ def test_seeded_sampling_with_a_datastore_equals_plain_sampling():
             got[out.row] += out.tokens
     assert got == plain
     assert sum(v for (source, _), v in redrafter.acceptance.accepted.items() if source.startswith("datastore")) > 0
+
+
+def test_a_required_datastore_that_is_missing_is_one_clear_error(tmp_path):
+    with pytest.raises(UserError, match="has no datastore"):
+        load_datastore(tmp_path, 100, required=True)

@@ -14,7 +14,7 @@ from redrafter_mlx.generate import ReDrafter, generate_steps
 from redrafter_mlx.errors import UserError
 from redrafter_mlx.datastore import Datastore
 from redrafter_mlx.distill import Sequences
-from redrafter_mlx.replay import accepted_lengths, count_steps, datastore_lengths, in_vocabulary_lengths, load_greedy_folder, step_figures, tokens_per_step, with_lookup
+from redrafter_mlx.replay import accepted_lengths, count_steps, datastore_lengths, in_vocabulary_lengths, load_greedy_folder, step_figures, tokens_per_step, with_continuation
 from redrafter_mlx.sampling import SamplingSettings
 from redrafter_mlx.train import build_positions, cached_positions, compute_hidden_cache
 
@@ -77,7 +77,7 @@ def test_replay_takes_as_many_steps_as_real_generation(tmp_path, shape, lookup):
     draft = DraftSettings.rnn_only(width, length)
     if lookup:
         assert (positions.lookup_depth > accepted).any()  # lookup adds something here
-        accepted = with_lookup(accepted, positions.lookup_depth, length)
+        accepted = with_continuation(accepted, positions.lookup_depth, length)
         draft = DraftSettings(width, length, max_nodes=(width + 1) * (length - 1), lookup=True)  # every node verified
 
     starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
