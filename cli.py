@@ -47,9 +47,10 @@ MODEL = typer.Option(None, "--model", "-m", help=MODEL_HELP)
 DRAFTER = typer.Option(None, "--drafter", "-d", help=DRAFTER_HELP)
 DTYPE = typer.Option(None, "--dtype", help=DTYPE_HELP)
 BEAM_WIDTH = typer.Option("auto", "--beam-width", help="Beams the RNN drafts per step; auto is 4.")
-BEAM_LENGTH = typer.Option("auto", "--beam-length", help="Tokens per beam, counting the last verified token (so beam_length - 1 drafted, by the RNN and by lookup); auto is 5.")
+BEAM_LENGTH = typer.Option("auto", "--beam-length", help="Tokens per beam, counting the last verified token (so beam_length - 1 drafted, by the RNN and by the datastore); auto is 5.")
 MAX_NODES = typer.Option("auto", "--max-nodes", help="Drafted tree nodes verified per step; auto chooses them each step from this machine's measured cost of verification (0 is plain decoding).")
 NO_LOOKUP = typer.Option(False, "--no-lookup", help="Do not draft by context lookup (RNN only).")
+LOOKUP_LENGTH = typer.Option(8, "--lookup-length", help="Tokens each context-lookup continuation drafts (the cost curve still decides how many are verified).")
 LOOKUP_MAX_NGRAM = typer.Option(3, "--lookup-max-ngram", help="Longest context suffix that context lookup matches.")
 LOOKUP_BEAMS = typer.Option(1, "--lookup-beams", help="Distinct context-lookup continuations proposed per step.")
 DATASTORE_BEAMS = typer.Option(2, "--datastore-beams", help="Continuations proposed per step from the drafter's datastore (what the model most often wrote after the context's last tokens), when its folder holds one; 0 turns it off.")
@@ -71,7 +72,7 @@ def _auto_int(value: str, name: str) -> Optional[int]:
         fail(f"{name} takes a whole number or 'auto', got {value!r}")
 
 
-def _draft(drafter, beam_width, beam_length, max_nodes, no_lookup, lookup_max_ngram, lookup_beams, datastore_beams):
+def _draft(drafter, beam_width, beam_length, max_nodes, no_lookup, lookup_length, lookup_max_ngram, lookup_beams, datastore_beams):
     """DraftSettings from the command line; 'auto' is the default search."""
     from redrafter_mlx.drafting import DraftSettings
 
@@ -81,7 +82,7 @@ def _draft(drafter, beam_width, beam_length, max_nodes, no_lookup, lookup_max_ng
     settings = DraftSettings(
         beam_width=DraftSettings.beam_width if width is None else width,
         beam_length=DraftSettings.beam_length if length is None else length,
-        max_nodes=_auto_int(max_nodes, "--max-nodes"), lookup=not no_lookup,
+        max_nodes=_auto_int(max_nodes, "--max-nodes"), lookup=not no_lookup, lookup_length=lookup_length,
         lookup_max_ngram=lookup_max_ngram, lookup_beams=lookup_beams, datastore_beams=datastore_beams,
     )
     settings.check()
@@ -112,6 +113,7 @@ def generate(
     beam_length: str = BEAM_LENGTH,
     max_nodes: str = MAX_NODES,
     no_lookup: bool = NO_LOOKUP,
+    lookup_length: int = LOOKUP_LENGTH,
     lookup_max_ngram: int = LOOKUP_MAX_NGRAM,
     lookup_beams: int = LOOKUP_BEAMS,
     datastore_beams: int = DATASTORE_BEAMS,
@@ -127,7 +129,7 @@ def generate(
     from redrafter_mlx.prompts import read_prompts
 
     choose = _sampling(temp, top_p, top_k, min_p, repetition_penalty, seed)
-    draft = _draft(drafter, beam_width, beam_length, max_nodes, no_lookup, lookup_max_ngram, lookup_beams, datastore_beams)
+    draft = _draft(drafter, beam_width, beam_length, max_nodes, no_lookup, lookup_length, lookup_max_ngram, lookup_beams, datastore_beams)
     check_settings(max_tokens, draft)
     if batch_size < 1:
         fail(f"batch size must be at least 1, got {batch_size}")
@@ -192,6 +194,7 @@ def chat(
     beam_length: str = BEAM_LENGTH,
     max_nodes: str = MAX_NODES,
     no_lookup: bool = NO_LOOKUP,
+    lookup_length: int = LOOKUP_LENGTH,
     lookup_max_ngram: int = LOOKUP_MAX_NGRAM,
     lookup_beams: int = LOOKUP_BEAMS,
     datastore_beams: int = DATASTORE_BEAMS,
@@ -206,7 +209,7 @@ def chat(
     from redrafter_mlx.prompts import PromptLog
 
     choose = _sampling(temp, top_p, top_k, min_p, repetition_penalty, seed)
-    draft = _draft(drafter, beam_width, beam_length, max_nodes, no_lookup, lookup_max_ngram, lookup_beams, datastore_beams)
+    draft = _draft(drafter, beam_width, beam_length, max_nodes, no_lookup, lookup_length, lookup_max_ngram, lookup_beams, datastore_beams)
     check_settings(max_tokens, draft)
     prompt_log = PromptLog(log_prompts, warn=lambda line: typer.echo(line, err=True)) if log_prompts else None
     redrafter, tokenizer = load(model, drafter, dtype=_dtype(dtype))
@@ -226,7 +229,7 @@ def bench(
     temp: float = TEMP,
     top_p: float = TOP_P,
     seed: int = SEED,
-    configs: str = typer.Option("auto,lookup,rnn:4x5,both:4x5", "--configs", help="Configurations to measure, comma-separated: auto (the default settings), final (those with the RNN's final beams only, no partial beams), nostore (those without datastore drafts), lookup (context lookup only), rnn:WxL (the RNN's beams, all verified), both:WxL (those and one lookup continuation)."),
+    configs: str = typer.Option("auto,lookup,rnn:4x5,both:4x5", "--configs", help="Configurations to measure, comma-separated: auto (the default settings), final (those with the RNN's final beams only, no partial beams), nostore (those without datastore drafts), shortlookup (those with lookup continuations as long as the beams' drafts), lookup (context lookup only), rnn:WxL (the RNN's beams, all verified), both:WxL (those and one lookup continuation of L - 1 tokens)."),
     batch_size: int = typer.Option(1, "--batch-size", "-b", help="Prompts decoded together (1 compares against mlx-lm's own loop)."),
     repeats: int = typer.Option(1, "--repeats", help="Times each prompt batch is measured; its speed-up is the median of them."),
     calibrate: bool = typer.Option(False, "--calibrate", help="Measure this machine's verification cost curve again (it is cached) before the benchmark."),
@@ -419,7 +422,7 @@ def train(
     # Rows of the stacked hidden states follow the concatenated sequences' positions.
     hidden = StackedRows([compute_hidden_cache(base, folder, part) for folder, part in zip(folders, parts)])
     sequences = Sequences.concatenate(parts)
-    positions = build_positions(sequences, config.depth, config.eval_fraction, with_lookup=config.lookup_weight != 1)
+    positions = build_positions(sequences, config.depth, config.eval_fraction, lookup_length=config.depth if config.lookup_weight != 1 else 0)
     vocab = build_draft_vocab(sequences, draft_vocab) if draft_vocab else None
     out.mkdir(parents=True, exist_ok=True)
     trainer = Trainer(base, positions, hidden, config, output, vocab)
@@ -532,6 +535,7 @@ def serve(
     beam_length: str = BEAM_LENGTH,
     max_nodes: str = MAX_NODES,
     no_lookup: bool = NO_LOOKUP,
+    lookup_length: int = LOOKUP_LENGTH,
     lookup_max_ngram: int = LOOKUP_MAX_NGRAM,
     lookup_beams: int = LOOKUP_BEAMS,
     datastore_beams: int = DATASTORE_BEAMS,
@@ -545,7 +549,7 @@ def serve(
         fail("--prompt-cache-mb and --max-tokens take numbers >= 0")
     if max_body_bytes < 1:
         fail(f"--max-body-bytes must be at least 1, got {max_body_bytes}")
-    draft = _draft(drafter, beam_width, beam_length, max_nodes, no_lookup, lookup_max_ngram, lookup_beams, datastore_beams)
+    draft = _draft(drafter, beam_width, beam_length, max_nodes, no_lookup, lookup_length, lookup_max_ngram, lookup_beams, datastore_beams)
     from redrafter_mlx.prompts import PromptLog
 
     prompt_log = PromptLog(log_prompts, warn=lambda line: typer.echo(line, err=True)) if log_prompts else None

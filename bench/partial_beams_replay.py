@@ -10,8 +10,10 @@ number of nodes (the final beams' own node count, and fixed budgets), each
 node ranked by the drafter's probability of its path, as ``prune`` ranks
 them before ``generate`` has calibrated its estimates. A step accepts the
 longest tree path that matches the base model's greedy continuation; with
-``--lookup`` one context-lookup continuation joins both trees unpruned (the
-longer agreeing prefix of the two counts, as ``replay.with_continuation``); with
+``--lookup`` one context-lookup continuation of ``--lookup-length`` tokens
+(generate's default unless given; 4 before session 25) joins both trees
+unpruned (the longer agreeing prefix of the two counts, as
+``replay.with_continuation``); with
 ``--datastore N``, N continuations from the drafter's datastore join them
 too, unpruned (figures named ``+datastore``).
 
@@ -28,6 +30,7 @@ import numpy as np
 
 from redrafter_mlx.beam_search import beam_search
 from redrafter_mlx.datastore import load_datastore
+from redrafter_mlx.drafting import DraftSettings
 from redrafter_mlx.drafter import load_drafter
 from redrafter_mlx.errors import UserError
 from redrafter_mlx.replay import datastore_lengths, load_greedy_folder, step_figures, with_continuation
@@ -83,14 +86,17 @@ def main():
     parser.add_argument("--shapes", default="2x5,4x5,8x5")
     parser.add_argument("--budgets", default="4,8,12,16", help="Fixed node budgets, comma-separated, besides the final beams' own count.")
     parser.add_argument("--lookup", action="store_true")
+    parser.add_argument("--lookup-length", type=int, default=DraftSettings.lookup_length, help="Tokens the lookup continuation drafts (default: generate's).")
     parser.add_argument("--datastore", type=int, default=0, help="Also add this many continuations from the drafter's datastore to both trees.")
     args = parser.parse_args()
+    if args.lookup_length < 1:
+        parser.error(f"--lookup-length must be at least 1, got {args.lookup_length}")
 
     base, sequences, hidden = load_greedy_folder(args.data, args.model)
     drafter = load_drafter(args.drafter)
     shapes = [tuple(map(int, s.split("x"))) for s in args.shapes.split(",")]
     budgets = [int(b) for b in args.budgets.split(",") if b]
-    positions = build_positions(sequences, max(length for _, length in shapes) - 1, 0.0, with_lookup=args.lookup)
+    positions = build_positions(sequences, max(length for _, length in shapes) - 1, 0.0, lookup_length=args.lookup_length if args.lookup else 0)
     counts = cached_positions(sequences)
     windows, row_hidden = positions.tokens, hidden[positions.hidden_row]
     lookup = positions.lookup_depth if args.lookup else None
@@ -103,9 +109,9 @@ def main():
         result = {"drafter": args.drafter, "data": args.data, "shape": f"{width}x{length}", "final_beam_nodes": round(nodes, 2)}
         for budget, runs in accepted.items():
             for kind, a in runs.items():
-                result.update(step_figures(f"{kind}@{budget}", a, counts, lookup, length))
+                result.update(step_figures(f"{kind}@{budget}", a, counts, lookup, args.lookup_length))
                 if stored is not None:
-                    result.update(step_figures(f"{kind}@{budget}+datastore", with_continuation(a, stored, length), counts, lookup, length))
+                    result.update(step_figures(f"{kind}@{budget}+datastore", with_continuation(a, stored, length - 1), counts, lookup, args.lookup_length))
         print(json.dumps(result), flush=True)
 
 

@@ -7,8 +7,9 @@ miss) and, with a reduced draft vocabulary, the tokens per step of a drafter
 that is right about every token in its vocabulary: the ceiling that
 vocabulary puts on any drafter. With ``--lookup``, each shape is also
 replayed with one context-lookup continuation in the same tree, as
-``generate`` drafts it (every node verified): a step accepts the longer of
-the two drafts' agreeing prefixes. With ``--datastore N``, each shape is
+``generate`` drafts it (every node verified; ``--lookup-length`` tokens,
+generate's default unless given, 4 before session 25): a step accepts the
+longer of the two drafts' agreeing prefixes. With ``--datastore N``, each shape is
 also replayed with N continuations from the drafter's datastore in the tree
 (``redrafter_mlx/datastore.py``), every node verified.
 
@@ -24,6 +25,7 @@ import mlx.core as mx
 import numpy as np
 
 from redrafter_mlx.drafter import load_drafter
+from redrafter_mlx.drafting import DraftSettings
 from redrafter_mlx.errors import UserError
 from redrafter_mlx.datastore import load_datastore
 from redrafter_mlx.replay import accepted_lengths, datastore_lengths, in_vocabulary_lengths, load_greedy_folder, step_figures, tokens_per_step, with_continuation
@@ -84,17 +86,20 @@ def main():
     parser.add_argument("--shapes", default="1x5,2x5,4x5,8x5")
     parser.add_argument("--all", action="store_true", help="Replay every sequence, not only held-out ones.")
     parser.add_argument("--lookup", action="store_true", help="Also replay each shape with one context-lookup continuation in the tree.")
+    parser.add_argument("--lookup-length", type=int, default=DraftSettings.lookup_length, help="Tokens the lookup continuation drafts (default: generate's).")
     parser.add_argument("--datastore", type=int, default=0, help="Also replay each shape with this many continuations from the drafter's datastore in the tree.")
     parser.add_argument("--temp", type=float, default=0.0, help="Also measure depth-1 agreement with the base model's samples at this temperature (``sampled_agreement``).")
     parser.add_argument("--later-rows", default="", help="Also replay each shape with the drafted tokens after the first taken from this many most frequent draft-vocabulary rows (comma-separated sizes).")
     args = parser.parse_args()
+    if args.lookup_length < 1:
+        parser.error(f"--lookup-length must be at least 1, got {args.lookup_length}")
 
     base, sequences, hidden = load_greedy_folder(args.data, args.model)
     drafter = load_drafter(args.drafter)
     shapes = [tuple(map(int, shape.split("x"))) for shape in args.shapes.split(",")]
     longest = max(length for _, length in shapes)
     config = TrainConfig()
-    positions = build_positions(sequences, max(longest - 1, config.depth), config.eval_fraction, with_lookup=args.lookup)
+    positions = build_positions(sequences, max(longest - 1, config.depth), config.eval_fraction, lookup_length=args.lookup_length if args.lookup else 0)
     counts = cached_positions(sequences)  # positions, i.e. response tokens, per sequence
     first_row = np.concatenate([[0], np.cumsum(counts)[:-1]])
     # A sequence is held out when its positions are (the trainer's rule).
@@ -110,24 +115,24 @@ def main():
     if draft_token_ids is not None:
         bound = in_vocabulary_lengths(windows[:, :longest], np.array(draft_token_ids), base.vocab_size)
         result[f"draft_vocab_ceiling_x{longest}"] = round(tokens_per_step(bound, counts[keep]), 3)
-    lookup = positions.lookup_depth[rows] if args.lookup else None
+    lookup, lookup_length = (positions.lookup_depth[rows], args.lookup_length) if args.lookup else (None, 0)
+    if lookup is not None:
+        result[f"lookup_{lookup_length}_drafted"] = round(tokens_per_step(lookup, counts[keep]), 3)
     stored = None
     if args.datastore:
         datastore = load_datastore(args.drafter, base.vocab_size, required=True)
         stored = datastore_lengths(datastore, sequences, keep, longest - 1, args.datastore)
         if lookup is not None:
-            result[f"lookup_{longest - 1}+datastore_drafted"] = round(tokens_per_step(with_continuation(stored, lookup, longest), counts[keep]), 3)
+            result[f"lookup_{lookup_length}+datastore_{longest - 1}_drafted"] = round(tokens_per_step(with_continuation(stored, lookup, lookup_length), counts[keep]), 3)
     for width, length in shapes:
         accepted = accepted_lengths(drafter, base.embed, row_hidden, windows[:, :length], width)
-        if args.lookup:
-            result[f"lookup_{length - 1}_drafted"] = round(tokens_per_step(with_continuation(np.zeros_like(accepted), lookup, length), counts[keep]), 3)
-        result.update(step_figures(f"{width}x{length}", accepted, counts[keep], lookup, length))
+        result.update(step_figures(f"{width}x{length}", accepted, counts[keep], lookup, lookup_length))
         if stored is not None:
-            both = with_continuation(accepted, stored, length)
-            result.update(step_figures(f"{width}x{length}+datastore", both, counts[keep], lookup, length))
+            both = with_continuation(accepted, stored, length - 1)
+            result.update(step_figures(f"{width}x{length}+datastore", both, counts[keep], lookup, lookup_length))
         for rows_kept in [int(r) for r in args.later_rows.split(",") if r]:
             shortlisted = accepted_lengths(drafter, base.embed, row_hidden, windows[:, :length], width, later_rows=rows_kept)
-            result.update(step_figures(f"{width}x{length}_later{rows_kept}", shortlisted, counts[keep], lookup, length))
+            result.update(step_figures(f"{width}x{length}_later{rows_kept}", shortlisted, counts[keep], lookup, lookup_length))
         print(json.dumps(result), flush=True)
 
 

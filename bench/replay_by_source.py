@@ -28,7 +28,7 @@ WIDTH, LENGTH = 4, 5
 
 def main():
     base, sequences, hidden = load_greedy_folder(DEV_RESPONSES)
-    positions = build_positions(sequences, LENGTH, eval_fraction=0.02, with_lookup=True)
+    positions = build_positions(sequences, LENGTH, eval_fraction=0.02, lookup_length=LENGTH - 1)
     counts = cached_positions(sequences)
     with open(DEV_PROMPTS) as f:
         sources = np.array([json.loads(line)["source"] for line in f])[sequences.prompt_index]
@@ -43,8 +43,8 @@ def main():
             accepted = accepted_lengths(drafter, base.embed, row_hidden, windows, WIDTH)
             print(json.dumps({
                 "drafter": path, "source": source, "sequences": int(keep.sum()), "accuracy": accuracy,
-                **step_figures(f"{WIDTH}x{LENGTH}", accepted, n, lookup, LENGTH),
-                "lookup": round(tokens_per_step(with_continuation(np.zeros_like(accepted), lookup, LENGTH), n), 3),
+                **step_figures(f"{WIDTH}x{LENGTH}", accepted, n, lookup, LENGTH - 1),
+                "lookup": round(tokens_per_step(with_continuation(np.zeros_like(accepted), lookup, LENGTH - 1), n), 3),
             }), flush=True)
 
 

@@ -86,8 +86,8 @@ def stream_generate(
 ) -> Iterator[GenerationResponse]:
     """Generate from one prompt, yielding a response per step. ``draft``:
     the fields of ``DraftSettings`` (beam_width, beam_length, max_nodes,
-    lookup, lookup_max_ngram, lookup_beams, datastore_beams, later_vocab,
-    partial_beams).
+    lookup, lookup_length, lookup_max_ngram, lookup_beams, datastore_beams,
+    later_vocab, partial_beams).
 
     ``prompt_cache`` (``make_prompt_cache()``): the prompt starts from the
     longest prefix the cache shares with it, and the cache is kept holding

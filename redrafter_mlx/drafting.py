@@ -27,6 +27,7 @@ from .tree import RowTree, beam_drafts, candidate_tree, datastore_drafts, lookup
 
 RNN_RETRY_STEPS = 16  # with the RNN turned off, run it again every this many steps
 LATER_VOCAB = 2048  # default later_vocab: see bench/results/issue14.md
+LOOKUP_LENGTH = 8  # default lookup_length: see bench/results/lookup-length.md
 EXPLORE_STEPS = 8  # every this many steps, verify one node more than the budget chose
 RATE_MEMORY = 0.8  # weight of the past in the running estimate of lookup alone
 MEASURED_MEMORY = 0.7  # weight of the past in the running measured tokens and seconds
@@ -36,12 +37,14 @@ CARRIED_WEIGHT = 4.0  # predicted mass (a few steps' worth) that earlier runs' s
 @dataclass
 class DraftSettings:
     """beam_width, beam_length: the RNN's beam search (beam_length counts the
-    root, so beam_length - 1 drafted tokens; lookup drafts as many).
+    root, so beam_length - 1 drafted tokens; the datastore drafts as many).
     max_nodes: drafted nodes verified per step; None chooses it each step
     from the cost curve. lookup: propose context-lookup continuations;
-    lookup_max_ngram: longest suffix matched; lookup_beams: continuations
-    proposed per step. datastore_beams: continuations proposed per step
-    from the drafter's datastore, when it has one (0: none). later_vocab:
+    lookup_length: tokens each drafts (a copy, once it is right, tends to
+    stay right: bench/results/lookup-length.md); lookup_max_ngram: longest
+    suffix matched; lookup_beams: continuations proposed per step.
+    datastore_beams: continuations proposed per step from the drafter's
+    datastore, when it has one (0: none). later_vocab:
     the RNN drafts its tokens after the first from this many most frequent
     rows of its draft vocabulary (only a drafter whose rows are sorted so;
     None: all rows)."""
@@ -50,6 +53,7 @@ class DraftSettings:
     beam_length: int = 5
     max_nodes: Optional[int] = None
     lookup: bool = True
+    lookup_length: int = LOOKUP_LENGTH
     lookup_max_ngram: int = 3
     lookup_beams: int = 1
     datastore_beams: int = 2
@@ -68,6 +72,8 @@ class DraftSettings:
             raise UserError(f"beam length must be at least 2, got {self.beam_length}")
         if self.max_nodes is not None and self.max_nodes < 0:
             raise UserError(f"max nodes must be at least 0, got {self.max_nodes}")
+        if self.lookup_length < 1:
+            raise UserError(f"lookup length must be at least 1, got {self.lookup_length}")
         if self.lookup_max_ngram < 1:
             raise UserError(f"lookup max n-gram must be at least 1, got {self.lookup_max_ngram}")
         if self.lookup_beams < 1:
@@ -133,8 +139,7 @@ class Speculator:
         None when it did not run.
         cost: the cost curve (``CostCurve``) when ``max_nodes`` is None."""
         estimate = self.stats.estimate
-        length = self.settings.beam_length - 1
-        cheap = [self._cheap_drafts(r, length, estimate) for r in rows]
+        cheap = [self._cheap_drafts(r, estimate) for r in rows]
         rnn = [[] for _ in rows] if beams is None else [beam_drafts(b, c, estimate) for b, c in zip(beams, conditionals)]
         candidates = [candidate_tree(root, a + b) for root, a, b in zip(roots, rnn, cheap)]
         self.pending = None
@@ -162,11 +167,12 @@ class Speculator:
         """Whether steps can draft without the RNN (context lookup or datastore)."""
         return bool(self.indexes) or self.datastore is not None
 
-    def _cheap_drafts(self, row: int, length: int, estimate) -> list:
+    def _cheap_drafts(self, row: int, estimate) -> list:
         """A row's drafts that need no drafter run: context lookup's and the datastore's."""
-        drafts = lookup_drafts(self.indexes[row].propose(length), estimate) if row in self.indexes else []
+        settings = self.settings
+        drafts = lookup_drafts(self.indexes[row].propose(settings.lookup_length), estimate) if row in self.indexes else []
         if self.datastore is not None:
-            drafts += datastore_drafts(self.datastore.propose(self.contexts[row], length, self.settings.datastore_beams), estimate)
+            drafts += datastore_drafts(self.datastore.propose(self.contexts[row], settings.beam_length - 1, settings.datastore_beams), estimate)
         return drafts
 
     def rate(self, mode: str) -> Optional[float]:

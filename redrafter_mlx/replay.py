@@ -69,13 +69,13 @@ def in_vocabulary_lengths(windows: np.ndarray, draft_token_ids: np.ndarray, voca
     return np.cumprod(in_vocab[windows[:, 1:]], axis=-1).sum(-1)
 
 
-def with_continuation(accepted: np.ndarray, depth: np.ndarray, length: int) -> np.ndarray:
-    """Drafts accepted per position when other continuations join beams of
-    ``length`` in the tree, every node verified: context lookup's
+def with_continuation(accepted: np.ndarray, depth: np.ndarray, drafted: int) -> np.ndarray:
+    """Drafts accepted per position when other continuations of ``drafted``
+    tokens join the tree, every node verified: context lookup's
     (``train.lookup_depths``) or a datastore's (``datastore_lengths``),
-    ``depth`` (R,) how many of their tokens are right. The longer agreeing
-    prefix counts."""
-    return np.maximum(accepted, np.minimum(depth, length - 1))
+    ``depth`` (R,) how many of their tokens are right (at most ``drafted``
+    count). The longer agreeing prefix counts."""
+    return np.maximum(accepted, np.minimum(depth, drafted))
 
 
 def datastore_lengths(datastore, sequences: Sequences, keep: np.ndarray, depth: int, beams: int) -> np.ndarray:
@@ -122,11 +122,12 @@ def tokens_per_step(accepted: np.ndarray, counts: np.ndarray) -> Optional[float]
     return float(np.maximum(counts - 1, 0).sum() / steps) if steps else None
 
 
-def step_figures(name: str, accepted: np.ndarray, counts: np.ndarray, lookup_depth: Optional[np.ndarray], length: int) -> dict:
+def step_figures(name: str, accepted: np.ndarray, counts: np.ndarray, lookup_depth: Optional[np.ndarray], lookup_length: int) -> dict:
     """``{name: tokens per step}``, and with ``lookup_depth`` also
-    ``{name + "+lookup": the same with one lookup continuation in the tree}``
-    (``with_continuation``), rounded to three places as the result files keep them."""
+    ``{name + "+lookup": the same with one lookup continuation of
+    ``lookup_length`` tokens in the tree}`` (``with_continuation``), rounded
+    to three places as the result files keep them."""
     figures = {name: round(tokens_per_step(accepted, counts), 3)}
     if lookup_depth is not None:
-        figures[f"{name}+lookup"] = round(tokens_per_step(with_continuation(accepted, lookup_depth, length), counts), 3)
+        figures[f"{name}+lookup"] = round(tokens_per_step(with_continuation(accepted, lookup_depth, lookup_length), counts), 3)
     return figures

@@ -136,9 +136,9 @@ def held_out_sequences(prompt_index: np.ndarray, eval_fraction: float) -> np.nda
     return np.asarray(prompt_index) % max(int(round(1 / eval_fraction)), 2) == 0
 
 
-def build_positions(sequences: Sequences, depth: int, eval_fraction: float, with_lookup: bool = False) -> Positions:
-    """All training positions; with ``with_lookup``, also how deep context
-    lookup drafts right at each (else 0)."""
+def build_positions(sequences: Sequences, depth: int, eval_fraction: float, lookup_length: int = 0) -> Positions:
+    """All training positions; with ``lookup_length``, also how many of the
+    ``lookup_length`` tokens context lookup drafts at each are right (else 0)."""
     counts = cached_positions(sequences)
     starts = np.concatenate([[0], np.cumsum(sequences.lengths)[:-1]])
     rows, windows, held, lookup = [], [], [], []
@@ -152,7 +152,7 @@ def build_positions(sequences: Sequences, depth: int, eval_fraction: float, with
         windows.append(padded[index])
         rows.append(np.arange(row, row + n))
         held.append(np.full(n, held_out[i]))
-        lookup.append(lookup_depths(seq.tolist(), first, n, depth) if with_lookup else np.zeros(n, np.int64))
+        lookup.append(lookup_depths(seq.tolist(), first, n, lookup_length) if lookup_length else np.zeros(n, np.int64))
         row += n
     return Positions(np.concatenate(rows), np.concatenate(windows).astype(np.int32), np.concatenate(held), np.concatenate(lookup))
 

@@ -278,6 +278,7 @@ def test_a_model_with_no_shipped_drafter_drafts_by_lookup_and_says_so(chat_model
         (["--max-nodes", -1], "max nodes"),
         (["--max-nodes", "many"], "--max-nodes takes a whole number"),
         (["--lookup-max-ngram", 0], "lookup max n-gram"),
+        (["--lookup-length", 0], "lookup length"),
         (["--lookup-beams", 0], "lookup beams"),
         (["--datastore-beams", -1], "datastore beams"),
         (["--drafter", "none", "--beam-width", 4], "does not go with --drafter none"),

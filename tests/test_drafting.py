@@ -26,7 +26,7 @@ def tracking(settings, has_drafter, contexts):
 
 def test_rnn_and_lookup_drafts_share_one_tree():
     context = [5, 6, 7, 8, 5, 6]
-    speculator = tracking(DraftSettings(beam_width=2, beam_length=4, max_nodes=10), True, [context])
+    speculator = tracking(DraftSettings(beam_width=2, beam_length=4, max_nodes=10, lookup_length=3), True, [context])
     beams, probs = beams_for(6, [[7, 8, 9], [1, 2, 3]], 0.5)
     (tree,) = speculator.trees([0], [6], beams, probs)
     # lookup proposes 7 8 5 (after the earlier 5 6), sharing "7 8" with the first beam.
@@ -109,6 +109,16 @@ def test_without_a_drafter_only_lookup_drafts():
     assert tree.tokens == [2, 3, 1, 2]
 
 
+@pytest.mark.parametrize("lookup_length", [1, 2, 5])
+def test_lookup_drafts_its_own_length_whatever_the_beams(lookup_length):
+    # After the earlier "1 2", the context went on 3 4 5 6 1 2.
+    speculator = tracking(DraftSettings(beam_width=1, beam_length=3, max_nodes=10, lookup_length=lookup_length), True, [[1, 2, 3, 4, 5, 6, 1, 2]])
+    beams, probs = beams_for(2, [[9, 9]], 0.5)
+    (tree,) = speculator.trees([0], [2], beams, probs)
+    assert tree.tokens == [2, 9, 9] + [3, 4, 5, 6, 1][:lookup_length]
+    assert max(tree.depths) == max(2, lookup_length)
+
+
 def test_later_vocab_applies_only_to_a_sorted_draft_vocabulary():
     drafter = tiny_drafter(draft_vocab=32)
     settings = DraftSettings(beam_width=3, beam_length=4, later_vocab=8)
@@ -122,6 +132,7 @@ def test_later_vocab_applies_only_to_a_sorted_draft_vocabulary():
     [
         (dict(max_nodes=-1), "max nodes"),
         (dict(lookup_max_ngram=0), "lookup max n-gram"),
+        (dict(lookup_length=0), "lookup length"),
         (dict(lookup_beams=0), "lookup beams"),
         (dict(datastore_beams=-1), "datastore beams"),
         (dict(beam_width=0), "beam width"),

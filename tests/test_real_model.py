@@ -5,22 +5,34 @@ import pytest
 from conftest import OracleDrafter
 from test_generate import mlx_lm_greedy, run
 
+from redrafter_mlx.autoregressive import autoregressive_steps
 from redrafter_mlx.base_model import BaseModel
 from redrafter_mlx.drafter import Drafter, DrafterArgs
 from redrafter_mlx.generate import ReDrafter
 from redrafter_mlx.loading import load_base_model
+from redrafter_mlx.sampling import SamplingSettings, make_chooser
 
 NUM_TOKENS = 64
 
 
+COPY_REQUEST = "Repeat this sentence exactly, twice: The old lighthouse keeper counted seven ships sailing past the northern cliffs at dawn."
+
+
+def chat_ids(tokenizer, message):
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": message}], tokenize=False, add_generation_prompt=True)
+    return tokenizer.encode(prompt, add_special_tokens=False)
+
+
 @pytest.fixture(scope="module")
-def smol():
+def smol_model():
     model, tokenizer = load_base_model(None, dtype="float32")
-    base = BaseModel(model)
-    prompt = tokenizer.apply_chat_template(
-        [{"role": "user", "content": "Explain what a binary search does."}], tokenize=False, add_generation_prompt=True
-    )
-    ids = tokenizer.encode(prompt, add_special_tokens=False)
+    return BaseModel(model), tokenizer
+
+
+@pytest.fixture(scope="module")
+def smol(smol_model):
+    base, tokenizer = smol_model
+    ids = chat_ids(tokenizer, "Explain what a binary search does.")
     return base, ids, mlx_lm_greedy(base.model, ids, NUM_TOKENS + 8)
 
 
@@ -41,3 +53,18 @@ def test_greedy_parity_with_partly_right_drafter(smol):
     assert len(set(accepted)) > 2
 
 
+
+
+@pytest.mark.parametrize("temp", [0.0, 0.5], ids=["greedy", "sampled"])
+def test_long_lookup_continuations_keep_the_output(smol_model, temp):
+    """Lookup continuations of 12 tokens, every node verified, on an answer
+    that copies its prompt: steps accept more than the beams' 4 tokens,
+    and the output is plain decoding's (seeded sampling draws the same
+    tokens)."""
+    base, tokenizer = smol_model
+    ids = chat_ids(tokenizer, COPY_REQUEST)
+    choose = make_chooser(SamplingSettings(temp=temp, seed=3))
+    plain = [token for step in autoregressive_steps(base, [ids], max_tokens=NUM_TOKENS, choose=choose) for out in step for token in out.tokens]
+    (tokens,), accepted = run(ReDrafter(base, None), [ids], max_tokens=NUM_TOKENS, choose=choose, lookup_length=12, max_nodes=12)
+    assert tokens == plain
+    assert max(accepted) > 4

@@ -33,10 +33,13 @@ def test_count_steps_by_hand():
 def test_step_figures_with_and_without_lookup():
     accepted, counts = np.array([1, 9, 1, 9, 9, 0, 0, 0]), np.array([5, 3])
     assert step_figures("2x3", accepted, counts, None, 3) == {"2x3": 1.5}
-    # Lookup right 2 deep at the second sequence's first position: one step
-    # there (2 tokens kept, capped at length - 1) instead of two.
-    lookup = np.array([0, 0, 0, 0, 0, 2, 0, 0])
-    assert step_figures("2x3", accepted, counts, lookup, 3) == {"2x3": 1.5, "2x3+lookup": 2.0}
+    # Lookup right 3 deep at the first position and 2 deep at the second
+    # sequence's first: one step for each sequence instead of two.
+    lookup = np.array([3, 0, 0, 0, 0, 2, 0, 0])
+    assert step_figures("2x3", accepted, counts, lookup, 3) == {"2x3": 1.5, "2x3+lookup": 3.0}
+    # A continuation of 1 token keeps one of them: the first sequence still
+    # takes two steps (4 + 2 tokens in 3 steps).
+    assert step_figures("2x3", accepted, counts, lookup, 1) == {"2x3": 1.5, "2x3+lookup": 2.0}
 
 
 def test_datastore_lengths_by_hand():
@@ -62,6 +65,7 @@ def test_in_vocabulary_lengths():
 @pytest.mark.parametrize("lookup", [False, True], ids=["rnn", "rnn+lookup"])
 @pytest.mark.parametrize("shape", [(1, 3), (4, 5)], ids=lambda s: f"{s[0]}x{s[1]}")
 def test_replay_takes_as_many_steps_as_real_generation(tmp_path, shape, lookup):
+    # Lookup drafts more tokens than the beams (as by default).
     width, length = shape
     base = BaseModel(tiny_model("llama", seed=5))
     folder = DataFolder(tmp_path / "data")
@@ -70,15 +74,17 @@ def test_replay_takes_as_many_steps_as_real_generation(tmp_path, shape, lookup):
     # A drafter right up to a pseudo-random depth at each position.
     drafter = OracleDrafter(base, [sequences.sequence(i).tolist() for i in range(len(sequences))], corrupt=length)
     hidden = compute_hidden_cache(base, folder, sequences, progress=False)
-    positions = build_positions(sequences, length - 1, eval_fraction=0, with_lookup=lookup)
+    lookup_length = length + 2
+    positions = build_positions(sequences, length - 1, eval_fraction=0, lookup_length=lookup_length if lookup else 0)
     counts = cached_positions(sequences)
     accepted = accepted_lengths(drafter, base.embed, hidden[positions.hidden_row], positions.tokens, width)
     assert len(set(accepted.tolist())) > 2
     draft = DraftSettings.rnn_only(width, length)
     if lookup:
         assert (positions.lookup_depth > accepted).any()  # lookup adds something here
-        accepted = with_continuation(accepted, positions.lookup_depth, length)
-        draft = DraftSettings(width, length, max_nodes=(width + 1) * (length - 1), lookup=True)  # every node verified
+        assert (positions.lookup_depth > length - 1).any() or length > 3  # at 1x3, past the beams' depth too
+        accepted = with_continuation(accepted, positions.lookup_depth, lookup_length)
+        draft = DraftSettings(width, length, max_nodes=width * (length - 1) + lookup_length, lookup=True, lookup_length=lookup_length)  # every node verified
 
     starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
     redrafter = ReDrafter(base, drafter)
