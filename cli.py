@@ -50,7 +50,7 @@ BEAM_WIDTH = typer.Option("auto", "--beam-width", help="Beams the RNN drafts per
 BEAM_LENGTH = typer.Option("auto", "--beam-length", help="Tokens per beam, counting the last verified token (so beam_length - 1 drafted, by the RNN and by the datastore); auto is 5.")
 MAX_NODES = typer.Option("auto", "--max-nodes", help="Drafted tree nodes verified per step; auto chooses them each step from this machine's measured cost of verification (0 is plain decoding).")
 NO_LOOKUP = typer.Option(False, "--no-lookup", help="Do not draft by context lookup (RNN only).")
-LOOKUP_LENGTH = typer.Option(8, "--lookup-length", help="Tokens each context-lookup continuation drafts (the cost curve still decides how many are verified).")
+LOOKUP_LENGTH = typer.Option(16, "--lookup-length", help="Tokens each context-lookup continuation drafts (the cost curve still decides how many are verified).")
 LOOKUP_MAX_NGRAM = typer.Option(3, "--lookup-max-ngram", help="Longest context suffix that context lookup matches.")
 LOOKUP_BEAMS = typer.Option(1, "--lookup-beams", help="Distinct context-lookup continuations proposed per step.")
 DATASTORE_BEAMS = typer.Option(2, "--datastore-beams", help="Continuations proposed per step from the drafter's datastore (what the model most often wrote after the context's last tokens), when its folder holds one; 0 turns it off.")
@@ -229,7 +229,7 @@ def bench(
     temp: float = TEMP,
     top_p: float = TOP_P,
     seed: int = SEED,
-    configs: str = typer.Option("auto,lookup,rnn:4x5,both:4x5", "--configs", help="Configurations to measure, comma-separated: auto (the default settings), final (those with the RNN's final beams only, no partial beams), nostore (those without datastore drafts), shortlookup (those with lookup continuations as long as the beams' drafts), lookup (context lookup only), rnn:WxL (the RNN's beams, all verified), both:WxL (those and one lookup continuation of L - 1 tokens)."),
+    configs: str = typer.Option("auto,lookup,rnn:4x5,both:4x5", "--configs", help="Configurations to measure, comma-separated: auto (the default settings), final (those with the RNN's final beams only, no partial beams), nostore (those without datastore drafts), lookuplen:N (those with lookup continuations of N tokens), lookup (context lookup only), rnn:WxL (the RNN's beams, all verified), both:WxL (those and one lookup continuation of L - 1 tokens)."),
     batch_size: int = typer.Option(1, "--batch-size", "-b", help="Prompts decoded together (1 compares against mlx-lm's own loop)."),
     repeats: int = typer.Option(1, "--repeats", help="Times each prompt batch is measured; its speed-up is the median of them."),
     calibrate: bool = typer.Option(False, "--calibrate", help="Measure this machine's verification cost curve again (it is cached) before the benchmark."),

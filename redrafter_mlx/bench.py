@@ -66,9 +66,9 @@ class Config:
 def parse_configs(text: str) -> list[Config]:
     """``auto`` (the default settings), ``final`` (those, the RNN's final
     beams only: no partial beams), ``nostore`` (those without datastore
-    drafts), ``shortlookup`` (those with lookup continuations as long as
-    the beams' drafts, the default until session 25), ``lookup`` (lookup
-    only, nodes by cost), ``rnn:WxL`` (the RNN's WxL beams, all verified),
+    drafts), ``lookuplen:N`` (those with lookup continuations of N tokens;
+    4, as long as the beams' drafts, was the default until session 25),
+    ``lookup`` (lookup only, nodes by cost), ``rnn:WxL`` (the RNN's WxL beams, all verified),
     ``both:WxL`` (those plus one lookup continuation of L - 1 tokens),
     comma-separated."""
     configs = []
@@ -80,15 +80,16 @@ def parse_configs(text: str) -> list[Config]:
             draft = DraftSettings(partial_beams=False)
         elif kind == "nostore" and not shape:
             draft = DraftSettings(datastore_beams=0)
-        elif kind == "shortlookup" and not shape:
-            draft = DraftSettings(lookup_length=DraftSettings.beam_length - 1)
+        elif kind == "lookuplen" and shape.isdigit():
+            draft = DraftSettings(lookup_length=int(shape))
         elif kind in ("rnn", "both") and shape.count("x") == 1 and all(p.isdigit() for p in shape.split("x")):
             draft = DraftSettings.rnn_only(*map(int, shape.split("x")))
             if kind == "both":
                 draft.lookup, draft.lookup_length = True, draft.beam_length - 1
                 draft.max_nodes += draft.lookup_length
         else:
-            raise UserError(f"unknown bench configuration {name!r}; use auto, final, nostore, shortlookup, lookup, rnn:WxL or both:WxL")
+            raise UserError(f"unknown bench configuration {name!r}; use auto, final, nostore, lookuplen:N, lookup, rnn:WxL or both:WxL")
+        draft.check()
         configs.append(Config(name, draft))
     if not configs:
         raise UserError("no bench configuration given")

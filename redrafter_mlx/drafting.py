@@ -27,7 +27,7 @@ from .tree import RowTree, beam_drafts, candidate_tree, datastore_drafts, lookup
 
 RNN_RETRY_STEPS = 16  # with the RNN turned off, run it again every this many steps
 LATER_VOCAB = 2048  # default later_vocab: see bench/results/issue14.md
-LOOKUP_LENGTH = 8  # default lookup_length: see bench/results/lookup-length.md
+LOOKUP_LENGTH = 16  # default lookup_length: see bench/results/lookup-length.md
 EXPLORE_STEPS = 8  # every this many steps, verify one node more than the budget chose
 RATE_MEMORY = 0.8  # weight of the past in the running estimate of lookup alone
 MEASURED_MEMORY = 0.7  # weight of the past in the running measured tokens and seconds

@@ -189,18 +189,25 @@ def compute_hidden_cache(base, folder: DataFolder, sequences: Sequences, batch_t
 
 
 def _shard_hidden(base, shard: Path, batch_tokens: int) -> None:
-    """Write ``hidden-NNNNN.npy`` for a shard that lacks it: h[t] at
-    t = P-1 .. L-2 of each sequence, in order, from batches of right-padded
-    sequences (causal attention makes the padding harmless). Batches are
-    made in order of length, which cuts the padding computed (for the
-    default model's data folders, 22-61 % more tokens than the sequences
-    hold in shard order, 6-10 % in length order)."""
+    """Write ``hidden-NNNNN.npy`` for a shard that lacks it."""
     with np.load(shard) as data:
         prompt_lengths, lengths, tokens = data["prompt_lengths"], data["lengths"], data["tokens"]
-    counts = lengths - prompt_lengths
     target = hidden_path(shard)
-    if target.exists() and np.load(target, mmap_mode="r").shape == (int(counts.sum()), base.hidden_size):
+    if target.exists() and np.load(target, mmap_mode="r").shape == (int((lengths - prompt_lengths).sum()), base.hidden_size):
         return
+    temporary = target.with_name("." + target.name + ".tmp.npy")
+    np.save(temporary, response_hidden(base, prompt_lengths, lengths, tokens, batch_tokens))
+    os.replace(temporary, target)
+
+
+def response_hidden(base, prompt_lengths: np.ndarray, lengths: np.ndarray, tokens: np.ndarray, batch_tokens: int = 8192) -> np.ndarray:
+    """(positions, hidden_size) float16 h[t] at t = P-1 .. L-2 of each
+    sequence (``tokens`` back to back, ``lengths`` L and ``prompt_lengths``
+    P per sequence), in order, from batches of right-padded sequences
+    (causal attention makes the padding harmless). Batches are made in
+    order of length, which cuts the padding computed (for the default
+    model's data folders, 22-61 % more tokens than the sequences hold in
+    shard order, 6-10 % in length order)."""
     starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
     parts = [None] * len(lengths)
     for members in length_batches(lengths, batch_tokens):
@@ -210,9 +217,7 @@ def _shard_hidden(base, shard: Path, batch_tokens: int) -> None:
         hidden = np.array(base.backbone(mx.array(batch)).astype(mx.float16))
         for row, k in enumerate(members):
             parts[k] = hidden[row, prompt_lengths[k] - 1 : lengths[k] - 1]
-    temporary = target.with_name("." + target.name + ".tmp.npy")
-    np.save(temporary, np.concatenate(parts))
-    os.replace(temporary, target)
+    return np.concatenate(parts)
 
 
 def length_batches(lengths: np.ndarray, batch_tokens: int) -> list[np.ndarray]:

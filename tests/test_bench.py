@@ -38,10 +38,10 @@ def test_a_batch_counts_once_by_the_median_of_its_repeats_and_keeps_its_step_cou
 
 
 def test_configurations_differ_only_where_their_names_say():
-    auto, final, nostore, short, rnn, both = parse_configs("auto, final, nostore, shortlookup, rnn:4x5, both:2x3")
+    auto, final, nostore, short, rnn, both = parse_configs("auto, final, nostore, lookuplen:4, rnn:4x5, both:2x3")
     assert auto.draft.partial_beams and not final.draft.partial_beams
     assert final.draft == DraftSettings(partial_beams=False)
     assert auto.draft.datastore_beams and nostore.draft == DraftSettings(datastore_beams=0)
-    assert auto.draft.lookup_length > auto.draft.beam_length - 1 and short.draft == DraftSettings(lookup_length=auto.draft.beam_length - 1)
+    assert auto.draft.lookup_length != 4 and short.draft == DraftSettings(lookup_length=4)
     assert rnn.draft == DraftSettings(4, 5, max_nodes=16, lookup=False, datastore_beams=0, later_vocab=None, partial_beams=False)
     assert both.draft == DraftSettings(2, 3, max_nodes=6, lookup=True, lookup_length=2, datastore_beams=0, later_vocab=None, partial_beams=False)

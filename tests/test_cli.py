@@ -201,6 +201,7 @@ def test_bench_writes_json_and_plot(smol_drafter, tmp_path):
     assert report["results"][2]["nodes_per_step"] > 1  # rnn:2x3 verifies its beams
     assert (tmp_path / "b.png").read_bytes()[:4] == b"\x89PNG"
     assert_clean_error(run_cli("bench", "--configs", "fast"), "unknown bench configuration")
+    assert_clean_error(run_cli("bench", "--configs", "auto,lookuplen:0"), "lookup length must be at least 1")
 
 
 def test_help_lists_every_command_and_option_defaults():
