@@ -4,7 +4,7 @@ the greedy answers that the trainer holds out of the given data folders
 one lookup continuation in the same tree, every node verified
 (``replay.step_figures``). With ``--datastore-lengths``, also the RNN's
 beams with the drafter's datastore continuations of each length in the tree,
-beside a lookup continuation of ``--lookup-length`` tokens (the datastore
+beside lookup's continuations of ``--lookup-length`` tokens (the datastore
 leaves the held-out answers out). Only the held-out sequences' hidden states
 are computed, so no folder needs its hidden-state cache.
 
@@ -50,11 +50,12 @@ def main():
     parser.add_argument("--datastore-lengths", default="", help="Datastore continuation lengths to replay, comma-separated (default: none).")
     parser.add_argument("--datastore-beams", type=int, default=2)
     parser.add_argument("--lookup-length", type=int, default=LOOKUP_LENGTH, help="The lookup continuation beside the datastore's.")
+    parser.add_argument("--lookup-beams", type=int, default=1, help="Lookup continuations per step (the best one counts).")
     args = parser.parse_args()
     shapes = [tuple(map(int, shape.split("x"))) for shape in args.shapes.split(",")]
     lengths = [int(n) for n in args.lengths.split(",") if n]
     stored_lengths = [int(n) for n in args.datastore_lengths.split(",") if n]
-    if min(lengths + stored_lengths + [args.lookup_length, args.datastore_beams]) < 1:
+    if min(lengths + stored_lengths + [args.lookup_length, args.lookup_beams, args.datastore_beams]) < 1:
         parser.error("lengths and beams must be at least 1")
 
     base = BaseModel(load_base_model(args.model)[0])
@@ -76,8 +77,8 @@ def main():
     result.update({f"{w}x{n}": round(tokens_per_step(a, counts), 3) for (w, n), a in accepted.items()})
     print(json.dumps(result), flush=True)
     for lookup_length in lengths:
-        lookup = build_positions(sequences, 0, 0.0, lookup_length=lookup_length).lookup_depth
-        result = {"lookup_length": lookup_length, "lookup": round(tokens_per_step(lookup, counts), 3)}
+        lookup = build_positions(sequences, 0, 0.0, lookup_length=lookup_length, lookup_beams=args.lookup_beams).lookup_depth
+        result = {"lookup_length": lookup_length, "lookup_beams": args.lookup_beams, "lookup": round(tokens_per_step(lookup, counts), 3)}
         for (width, length), a in accepted.items():
             result.update(step_figures(f"{width}x{length}", a, counts, lookup, lookup_length))
         print(json.dumps(result), flush=True)
@@ -89,7 +90,7 @@ def replay_datastore(args, base, sequences, counts, accepted, stored_lengths):
     """One line per datastore continuation length: the RNN's beams with the
     datastore's continuations, alone and beside a lookup continuation."""
     datastore = load_datastore(args.drafter, base.vocab_size, required=True)
-    lookup = build_positions(sequences, 0, 0.0, lookup_length=args.lookup_length).lookup_depth
+    lookup = build_positions(sequences, 0, 0.0, lookup_length=args.lookup_length, lookup_beams=args.lookup_beams).lookup_depth
     everything = np.ones(len(sequences), bool)
     for stored_length in stored_lengths:
         stored = datastore_lengths(datastore, sequences, everything, stored_length, args.datastore_beams)

@@ -21,7 +21,7 @@ from .beam_search import beam_search
 from .distill import DataFolder, Sequences
 from .errors import UserError
 from .loading import load_base_model
-from .train import compute_hidden_cache
+from .train import agreeing_prefix, compute_hidden_cache
 
 
 def load_greedy_folder(data: str, model: Optional[str] = None) -> tuple[BaseModel, Sequences, np.ndarray]:
@@ -88,13 +88,8 @@ def datastore_lengths(datastore, sequences: Sequences, keep: np.ndarray, depth: 
     for i in np.flatnonzero(keep):
         sequence = sequences.tokens[starts[i] : starts[i] + sequences.lengths[i]].tolist()
         for t in range(int(sequences.prompt_lengths[i]) - 1, len(sequence) - 1):
-            target, best = sequence[t + 2 : t + 2 + depth], 0
-            for drafted, _, _ in datastore.propose(sequence[: t + 2], depth, beams):
-                agree = 0
-                while agree < min(len(drafted), len(target)) and drafted[agree] == target[agree]:
-                    agree += 1
-                best = max(best, agree)
-            out.append(best)
+            target = sequence[t + 2 : t + 2 + depth]
+            out.append(max((agreeing_prefix(drafted, target) for drafted, _, _ in datastore.propose(sequence[: t + 2], depth, beams)), default=0))
     return np.array(out, np.int64)
 
 

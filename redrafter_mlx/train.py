@@ -110,21 +110,26 @@ def cached_positions(sequences: Sequences) -> np.ndarray:
     return np.maximum(sequences.lengths - sequences.prompt_lengths, 0)
 
 
-def lookup_depths(sequence: list, first: int, count: int, depth: int, max_ngram: int = 3) -> np.ndarray:
+def agreeing_prefix(drafted: list, target: list) -> int:
+    """How many of a draft's first tokens equal the target's."""
+    agree = 0
+    while agree < min(len(drafted), len(target)) and drafted[agree] == target[agree]:
+        agree += 1
+    return agree
+
+
+def lookup_depths(sequence: list, first: int, count: int, depth: int, max_ngram: int = 3, beams: int = 1) -> np.ndarray:
     """For positions t = first .. first + count - 1 of one sequence: how
-    many of x[t+2] .. x[t+depth+1] context lookup's first continuation
-    drafts right from the context x[0] .. x[t+1], as ``generate`` drafts
-    them (``lookup.LookupIndex``)."""
+    many of x[t+2] .. x[t+depth+1] context lookup's ``beams``
+    continuations draft right (the longest agreeing prefix) from the context
+    x[0] .. x[t+1], as ``generate`` drafts them (``lookup.LookupIndex``)."""
     context, matched = list(sequence[: first + 1]), np.zeros(count, np.int64)
-    index = LookupIndex(context, max_ngram)
+    index = LookupIndex(context, max_ngram, beams)
     for i in range(count):
         t = first + i
         context.append(sequence[t + 1])
-        proposals = index.propose(depth)
-        if proposals:
-            drafted, target = proposals[0][0], sequence[t + 2 : t + 2 + depth]
-            while matched[i] < min(len(drafted), len(target)) and drafted[matched[i]] == target[matched[i]]:
-                matched[i] += 1
+        target = sequence[t + 2 : t + 2 + depth]
+        matched[i] = max((agreeing_prefix(drafted, target) for drafted, _ in index.propose(depth)), default=0)
     return matched
 
 
@@ -136,9 +141,10 @@ def held_out_sequences(prompt_index: np.ndarray, eval_fraction: float) -> np.nda
     return np.asarray(prompt_index) % max(int(round(1 / eval_fraction)), 2) == 0
 
 
-def build_positions(sequences: Sequences, depth: int, eval_fraction: float, lookup_length: int = 0) -> Positions:
+def build_positions(sequences: Sequences, depth: int, eval_fraction: float, lookup_length: int = 0, lookup_beams: int = 1) -> Positions:
     """All training positions; with ``lookup_length``, also how many of the
-    ``lookup_length`` tokens context lookup drafts at each are right (else 0)."""
+    ``lookup_length`` tokens context lookup drafts at each are right (the
+    best of ``lookup_beams`` continuations; else 0)."""
     counts = cached_positions(sequences)
     starts = np.concatenate([[0], np.cumsum(sequences.lengths)[:-1]])
     rows, windows, held, lookup = [], [], [], []
@@ -152,7 +158,7 @@ def build_positions(sequences: Sequences, depth: int, eval_fraction: float, look
         windows.append(padded[index])
         rows.append(np.arange(row, row + n))
         held.append(np.full(n, held_out[i]))
-        lookup.append(lookup_depths(seq.tolist(), first, n, lookup_length) if lookup_length else np.zeros(n, np.int64))
+        lookup.append(lookup_depths(seq.tolist(), first, n, lookup_length, beams=lookup_beams) if lookup_length else np.zeros(n, np.int64))
         row += n
     return Positions(np.concatenate(rows), np.concatenate(windows).astype(np.int32), np.concatenate(held), np.concatenate(lookup))
 

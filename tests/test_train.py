@@ -286,6 +286,14 @@ def test_lookup_depths_count_the_targets_context_lookup_drafts_right():
     assert lookup_depths(sequence, first=1, count=9, depth=3).tolist() == [0, 0, 0, 2, 1, 0, 0, 1, 0]
 
 
+def test_lookup_depths_with_two_beams_count_the_better_continuation():
+    sequence = [1, 7, 0, 1, 8, 0, 1, 7, 0]
+    # t = 5: the context ends "0 1", whose latest occurrence continued 8 0;
+    # the second beam continues the earlier "1" with 7 0, the target.
+    assert lookup_depths(sequence, first=0, count=7, depth=2).tolist() == [0, 0, 0, 0, 1, 0, 1]
+    assert lookup_depths(sequence, first=0, count=7, depth=2, beams=2).tolist() == [0, 0, 0, 0, 1, 2, 1]
+
+
 def test_targets_lookup_drafts_right_get_the_lookup_weight(setup, tmp_path):
     trainer = make_trainer(setup, tmp_path / "out", lookup_weight=0.25)
     depth = trainer.positions.lookup_depth
