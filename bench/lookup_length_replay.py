@@ -21,9 +21,9 @@ import numpy as np
 
 from redrafter_mlx.base_model import BaseModel
 from redrafter_mlx.datastore import load_datastore
-from redrafter_mlx.drafting import LOOKUP_LENGTH
 from redrafter_mlx.distill import DataFolder, Sequences
 from redrafter_mlx.drafter import load_drafter
+from redrafter_mlx.drafting import LOOKUP_LENGTH
 from redrafter_mlx.errors import UserError
 from redrafter_mlx.loading import load_base_model
 from redrafter_mlx.replay import accepted_lengths, datastore_lengths, step_figures, tokens_per_step, with_continuation
