@@ -5,7 +5,7 @@ already in the output file are skipped (rerun the same command to resume).
 Per-prompt steps and tokens are kept too, so a subset's figure can be
 recomputed from a run over the whole file.
 
-    python bench/acceptance.py --drafter DRAFTER --prompts ../shared/data/prompts/dev.jsonl \\
+    python bench/acceptance.py --drafter DRAFTER --prompts data/prompts/dev.jsonl \\
         --shapes 1x5,2x5,4x5,8x5 --max-tokens 256 --out bench/results/acceptance.json
 """
 
@@ -15,10 +15,10 @@ import time
 from pathlib import Path
 
 import redrafter_mlx
-from redrafter_mlx.api import encode_prompt
-from redrafter_mlx.drafting import DraftSettings
-from redrafter_mlx.generate import generate_steps
-from redrafter_mlx.prompts import read_prompts
+from redrafter_mlx.drafting.settings import DraftSettings
+from redrafter_mlx.engine.decoder import generate_steps
+from redrafter_mlx.serving.api import encode_prompt
+from redrafter_mlx.serving.prompts import read_prompts
 
 
 def measure(redrafter, prompts, width, length, max_tokens, batch_size, choose, eos):

@@ -3,7 +3,7 @@ prompt cache (what `redrafter-mlx chat` does) and without it (the whole
 conversation prefilled every turn), side by side: each turn is answered
 both ways, alternating which goes first.
 
-    python3 bench/chat_latency.py --prompts ../shared/data/prompts/dev.jsonl --turns 10 --max-tokens 128 --json bench/results/chat-latency.json
+    python3 bench/chat_latency.py --prompts data/prompts/dev.jsonl --turns 10 --max-tokens 128 --json bench/results/serving/chat-latency.json
 
 The user turns are the first --turns prompts of the file; greedy, so both
 ways give the same answers (checked) and the conversations stay the same.
@@ -16,10 +16,10 @@ import statistics
 import sys
 
 import redrafter_mlx  # noqa: F401  (preloads OpenBLAS)
-from redrafter_mlx.chat import answer
-from redrafter_mlx.loading import load
-from redrafter_mlx.prompt_cache import make_prompt_cache
-from redrafter_mlx.prompts import read_prompts
+from redrafter_mlx.engine.prompt_cache import make_prompt_cache
+from redrafter_mlx.loading.loader import load
+from redrafter_mlx.serving.chat import answer
+from redrafter_mlx.serving.prompts import read_prompts
 
 
 def main() -> None:

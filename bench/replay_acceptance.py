@@ -1,5 +1,5 @@
 """Greedy tokens per step of a drafter, replayed on a greedy distillation
-folder without running the base model (``redrafter_mlx/replay.py``). Only
+folder without running the base model (``redrafter_mlx/training/replay.py``). Only
 sequences held out from training are used (the trainer's rule), unless
 ``--all``. It also gives the drafter's teacher-forced top-1 accuracy at each
 depth over every target (one outside a reduced draft vocabulary counts as a
@@ -11,7 +11,7 @@ replayed with one context-lookup continuation in the same tree, as
 generate's default unless given, 4 before session 25): a step accepts the
 longer of the two drafts' agreeing prefixes. With ``--datastore N``, each shape is
 also replayed with N continuations from the drafter's datastore in the tree
-(``redrafter_mlx/datastore.py``), every node verified.
+(``redrafter_mlx/drafting/datastore.py``), every node verified.
 
     python bench/replay_acceptance.py --drafter DRAFTER --data data/distill-smollm2-135m --shapes 1x5,4x5
 """
@@ -24,12 +24,14 @@ import redrafter_mlx  # noqa: F401  (preloads OpenBLAS before mlx.core)
 import mlx.core as mx
 import numpy as np
 
-from redrafter_mlx.drafter import load_drafter
-from redrafter_mlx.drafting import DraftSettings
+from redrafter_mlx.drafting.datastore import load_datastore
+from redrafter_mlx.drafting.drafter import load_drafter
+from redrafter_mlx.drafting.settings import DraftSettings
 from redrafter_mlx.errors import UserError
-from redrafter_mlx.datastore import load_datastore
-from redrafter_mlx.replay import accepted_lengths, datastore_lengths, in_vocabulary_lengths, load_greedy_folder, step_figures, tokens_per_step, with_continuation
-from redrafter_mlx.train import TrainConfig, build_positions, cached_positions, draft_index_map, draft_targets, drafter_loss
+from redrafter_mlx.training.replay import (
+    accepted_lengths, datastore_lengths, in_vocabulary_lengths, load_greedy_folder, lookup_lengths, step_figures, tokens_per_step, with_continuation,
+)
+from redrafter_mlx.training.train import TrainConfig, build_positions, cached_positions, draft_index_map, draft_targets, drafter_loss
 
 
 def teacher_forced_accuracy(drafter, draft_token_ids, embed, hidden, windows, vocab_size, batch_size=2048):
@@ -99,7 +101,7 @@ def main():
     shapes = [tuple(map(int, shape.split("x"))) for shape in args.shapes.split(",")]
     longest = max(length for _, length in shapes)
     config = TrainConfig()
-    positions = build_positions(sequences, max(longest - 1, config.depth), config.eval_fraction, lookup_length=args.lookup_length if args.lookup else 0)
+    positions = build_positions(sequences, max(longest - 1, config.depth), config.eval_fraction)
     counts = cached_positions(sequences)  # positions, i.e. response tokens, per sequence
     first_row = np.concatenate([[0], np.cumsum(counts)[:-1]])
     # A sequence is held out when its positions are (the trainer's rule).
@@ -115,7 +117,7 @@ def main():
     if draft_token_ids is not None:
         bound = in_vocabulary_lengths(windows[:, :longest], np.array(draft_token_ids), base.vocab_size)
         result[f"draft_vocab_ceiling_x{longest}"] = round(tokens_per_step(bound, counts[keep]), 3)
-    lookup, lookup_length = (positions.lookup_depth[rows], args.lookup_length) if args.lookup else (None, 0)
+    lookup, lookup_length = (lookup_lengths(sequences, keep, args.lookup_length), args.lookup_length) if args.lookup else (None, 0)
     if lookup is not None:
         result[f"lookup_{lookup_length}_drafted"] = round(tokens_per_step(lookup, counts[keep]), 3)
     stored = None

@@ -4,7 +4,7 @@ speculation off (`--drafter none --no-lookup --max-nodes 0`: plain decoding
 through the same loop). Both servers run at once; each concurrency level is
 measured on one, then the other, alternating which goes first.
 
-    python3 bench/server_throughput.py --prompts ../shared/data/prompts/dev.jsonl --requests 16 --max-tokens 128 --json bench/results/server-throughput.json
+    python3 bench/server_throughput.py --prompts data/prompts/dev.jsonl --requests 16 --max-tokens 128 --json bench/results/serving/server-throughput.json
 
 Each level sends the same --requests prompts (the first of the file),
 greedy chat completions of --max-tokens, each client taking the next

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # How the shipped drafter (v4) for SmolLM2-135M-Instruct is made and measured,
 # on a 2-core Linux CPU (float32, OpenBLAS). Every step resumes when rerun.
-# (v3's record is this file's history at commit 10a4874.)
+
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PROMPTS=../shared/data/prompts
+PROMPTS=data/prompts
 DATA=data/distill-smollm2-135m
 RUN=runs/smollm2-135m-drafter-v4-self-2800
 SHIPPED=redrafter_mlx/drafters/smollm2-135m-instruct
@@ -49,7 +49,7 @@ python3 - <<PY
 import redrafter_mlx  # first: it loads OpenBLAS before mlx.core
 import mlx.core as mx
 from pathlib import Path
-from redrafter_mlx.drafter import load_drafter, read_config, save_drafter
+from redrafter_mlx.drafting.drafter import load_drafter, read_config, save_drafter
 redrafter, _ = redrafter_mlx.load(drafter="none")
 drafter = load_drafter("$RUN")
 drafter.set_dtype(mx.float16)  # floating arrays only: token ids stay int32
@@ -60,7 +60,7 @@ save_drafter(drafter, "$SHIPPED", {
 })
 PY
 
-# 4b. Its datastore (session 23): the answers in every training data folder
+# 4b. Its datastore: the answers in every training data folder
 #    made for this model (train-chat.jsonl's and a fourth self-prompts folder
 #    included), prompts the trainer holds out left out.
 redrafter-mlx distill --prompts $PROMPTS/train-chat.jsonl --output $DATA-chat --batch-size 64 --max-tokens 256 --workers 2
@@ -74,10 +74,10 @@ redrafter-mlx datastore --drafter $SHIPPED --data $DATA --data $DATA-t0.7 --data
 #    with one context-lookup continuation; then per prompt source.
 redrafter-mlx distill --prompts $PROMPTS/dev.jsonl --output data/eval-dev-smollm2-135m --batch-size 64 --max-tokens 256
 python3 bench/replay_acceptance.py --drafter $SHIPPED --data data/eval-dev-smollm2-135m --all --shapes 1x5,2x5,4x5,8x5 \
-    --lookup > bench/results/replay-dev-greedy-v4.jsonl
-python3 bench/replay_by_source.py $SHIPPED > bench/results/replay-dev-by-source-v4.jsonl
+    --lookup > bench/results/drafter/replay-dev-greedy-v4.jsonl
+python3 bench/replay_by_source.py $SHIPPED > bench/results/drafter/replay-dev-by-source-v4.jsonl
 
 # 6. The default generate settings against plain decoding, alternating per
 #    prompt, on every 5th dev prompt (64), 256 new tokens, greedy.
 redrafter-mlx bench --prompts $PROMPTS/dev.jsonl --every 5 --num-prompts 64 --max-tokens 256 --configs auto --calibrate \
-    --json bench/results/bench-v4-auto-batch1-dev64.json
+    --json bench/results/speed/bench-v4-auto-batch1-dev64.json

@@ -10,9 +10,10 @@ import json
 import statistics
 
 import redrafter_mlx  # noqa: F401  (preloads OpenBLAS before mlx.core)
-from redrafter_mlx.bench import environment
-from redrafter_mlx.cost import SIZES, measure
-from redrafter_mlx.loading import load
+from redrafter_mlx.drafting.cost import SIZES
+from redrafter_mlx.engine.calibrate import measure
+from redrafter_mlx.loading.loader import load
+from redrafter_mlx.serving.bench import environment
 
 
 def main():
@@ -38,7 +39,7 @@ def main():
     print(f"RNN 4x5 beam search: {1000 * draft:.2f} ms")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"environment": environment(str(redrafter.base.dtype).replace("mlx.core.", "")), "batch_size": args.batch_size, "rows": rows, "draft_seconds": draft}, f, indent=2)
+            json.dump({"environment": environment(redrafter), "batch_size": args.batch_size, "rows": rows, "draft_seconds": draft}, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -12,9 +12,9 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from redrafter_mlx.drafter import CONFIG_FILE, WEIGHTS_FILE, Drafter, DrafterArgs, check_compatible
+from redrafter_mlx.drafting.drafter import CONFIG_FILE, WEIGHTS_FILE, Drafter, DrafterArgs, check_compatible
 from redrafter_mlx.errors import UserError
-from redrafter_mlx.gguf import DTYPES
+from redrafter_mlx.loading.gguf import DTYPES
 
 from .names import normalize_names
 from .readers import read_checkpoint
@@ -127,8 +127,8 @@ class _Base:
 
     def _load(self):
         if self._sizes is None:
-            from redrafter_mlx import loading
-            from redrafter_mlx.base_model import BaseModel
+            from redrafter_mlx.engine.base_model import BaseModel
+            from redrafter_mlx.loading import loader as loading
 
             model, _ = loading.load_base_model(self.path, dtype="float32")
             base = BaseModel(model)

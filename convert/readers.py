@@ -18,7 +18,7 @@ from typing import Optional
 import mlx.core as mx
 import numpy as np
 
-from redrafter_mlx.drafter import read_config
+from redrafter_mlx.drafting.drafter import read_config
 from redrafter_mlx.errors import UserError
 
 CONFIG_FILE = "config.json"

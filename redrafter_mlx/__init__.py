@@ -17,12 +17,13 @@ if not _os.path.exists(_os.path.join(__path__[0], "cli.py")) and _os.path.exists
 
 __version__ = "0.1.0"
 
-from .api import batch_generate, generate, stream_generate  # noqa: E402
-from .loading import load  # noqa: E402
-from .prompt_cache import load_prompt_cache, make_prompt_cache, save_prompt_cache  # noqa: E402
-from .sampling import SamplingSettings, make_chooser  # noqa: E402
+from .drafting.settings import DraftSettings  # noqa: E402
+from .engine.prompt_cache import load_prompt_cache, make_prompt_cache, save_prompt_cache  # noqa: E402
+from .engine.sampling import SamplingSettings, make_chooser  # noqa: E402
+from .loading.loader import load  # noqa: E402
+from .serving.api import batch_generate, generate, stream_generate  # noqa: E402
 
 __all__ = [
-    "load", "generate", "stream_generate", "batch_generate", "SamplingSettings", "make_chooser",
+    "load", "generate", "stream_generate", "batch_generate", "DraftSettings", "SamplingSettings", "make_chooser",
     "make_prompt_cache", "save_prompt_cache", "load_prompt_cache",
 ]

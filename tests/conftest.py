@@ -1,7 +1,9 @@
 """Tiny random models and drafters shared by the tests."""
 
+import itertools
 import os
 import tempfile
+from dataclasses import fields
 
 import redrafter_mlx  # noqa: F401  (preloads OpenBLAS before mlx.core)
 
@@ -15,13 +17,18 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
+from mlx_lm.generate import generate_step
 from mlx_lm.models import gemma3_text, llama, qwen2
 
-from redrafter_mlx.base_model import BaseModel
-from redrafter_mlx.cost import CostCurve
-from redrafter_mlx.drafter import Drafter, DrafterArgs
-from redrafter_mlx.generate import ReDrafter
+from redrafter_mlx.engine import calibrate
+from redrafter_mlx.engine.base_model import BaseModel
+from redrafter_mlx.drafting.cost import CostCurve
+from redrafter_mlx.drafting.settings import DraftSettings
+from redrafter_mlx.drafting.drafter import Drafter, DrafterArgs
+from redrafter_mlx.engine.decoder import generate_steps
+from redrafter_mlx.engine.types import ReDrafter
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout
 VOCAB = 256
 HIDDEN = 64
 
@@ -35,7 +42,7 @@ CPU_CURVE = CostCurve([1, 2, 3, 4, 6, 8, 12, 16, 32], [1.0, 1.10, 1.24, 1.33, 1.
 
 @pytest.fixture(autouse=True)
 def fixed_cost_curve(monkeypatch):
-    monkeypatch.setattr(sys.modules["redrafter_mlx.generate"], "cost_curve", lambda *args, **kwargs: CPU_CURVE)
+    monkeypatch.setattr(calibrate, "cost_curve", lambda *args, **kwargs: CPU_CURVE)
 
 
 def tiny_model(kind: str = "llama", seed: int = 0, quantize: bool = False, vocab: int = VOCAB) -> nn.Module:
@@ -93,6 +100,28 @@ def tiny_redrafter(kind="llama", seed=0, quantize=False, **drafter_kwargs) -> Re
     return ReDrafter(BaseModel(tiny_model(kind, seed, quantize)), tiny_drafter(seed, **drafter_kwargs))
 
 
+def mlx_lm_greedy(model, prompt, num_tokens):
+    """mlx-lm's own greedy decoding: the reference every parity test compares with."""
+    steps = generate_step(mx.array(prompt), model, max_tokens=num_tokens)
+    return [token for token, _ in itertools.islice(steps, num_tokens)]
+
+
+def run(redrafter, prompts, **kwargs):
+    """``generate_steps`` to the end: (tokens per prompt, accepted drafts per
+    step). Keywords naming ``DraftSettings`` fields make its ``draft``."""
+    names = {f.name for f in fields(DraftSettings)}
+    draft = {k: kwargs.pop(k) for k in list(kwargs) if k in names}
+    if draft:
+        kwargs["draft"] = DraftSettings(**draft)
+    outputs, accepted = [[] for _ in prompts], []
+    for step in generate_steps(redrafter, prompts, **kwargs):
+        for out in step:
+            outputs[out.row] += out.tokens
+            if out.num_accepted is not None:
+                accepted.append(out.num_accepted)
+    return outputs, accepted
+
+
 @pytest.fixture
 def prompt():
     return [5, 17, 42, 99, 3, 250, 7, 18]
@@ -146,11 +175,10 @@ def run_cli(*args, input=None, timeout=600, env=None):
     for it); returns the completed process."""
     import subprocess
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, PYTHONPATH=root, **(env or {}))
+    env = dict(os.environ, PYTHONPATH=ROOT, **(env or {}))
     return subprocess.run(
         [sys.executable, "-m", "redrafter_mlx.cli", *map(str, args)],
-        input=input, capture_output=True, text=True, timeout=timeout, cwd=root, env=env,
+        input=input, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env,
     )
 
 
@@ -208,8 +236,8 @@ def chat_model(tmp_path_factory):
     probability})."""
     from mlx_lm.utils import load_tokenizer, save_config, save_model
 
-    from redrafter_mlx.api import encode_prompt
-    from redrafter_mlx.drafter import save_drafter
+    from redrafter_mlx.serving.api import encode_prompt
+    from redrafter_mlx.drafting.drafter import save_drafter
 
     root = tmp_path_factory.mktemp("chat-model")
     model = tiny_model("llama", seed=21, vocab=CHAT_VOCAB)
@@ -249,7 +277,7 @@ def chat_model(tmp_path_factory):
 @pytest.fixture(scope="session")
 def smol_drafter(tmp_path_factory):
     """A random drafter shaped for SmolLM2-135M (hidden 576, vocab 49152)."""
-    from redrafter_mlx.drafter import save_drafter
+    from redrafter_mlx.drafting.drafter import save_drafter
 
     mx.random.seed(0)
     drafter = Drafter(DrafterArgs(vocab_size=49152, hidden_size=576, exit_dim=64, num_draft_layers=1))

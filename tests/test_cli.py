@@ -3,16 +3,17 @@ default model (SmolLM2-135M-Instruct)."""
 
 import hashlib
 import json
+import os
 import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import run_cli
+from conftest import ROOT, run_cli
 
-from redrafter_mlx.datastore import load_datastore
-from redrafter_mlx.distill import DataFolder
-from redrafter_mlx.drafter import DrafterArgs, Drafter, save_drafter
+from redrafter_mlx.drafting.datastore import load_datastore
+from redrafter_mlx.training.distill import DataFolder
+from redrafter_mlx.drafting.drafter import DrafterArgs, Drafter, save_drafter
 
 QUESTION = "What is the capital of France? Answer in one sentence."
 
@@ -37,7 +38,7 @@ def test_generate_json_fields_and_greedy_parity_with_mlx_lm(smol_drafter):
     import mlx.core as mx
     from mlx_lm.generate import generate_step
 
-    from redrafter_mlx.loading import load_base_model
+    from redrafter_mlx.loading.loader import load_base_model
 
     model, tokenizer = load_base_model(None)
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": QUESTION}], tokenize=False, add_generation_prompt=True)
@@ -63,7 +64,7 @@ def test_default_drafter_speeds_up_without_changing_greedy_output():
     import mlx.core as mx
     from mlx_lm.generate import generate_step
 
-    from redrafter_mlx.loading import load_base_model
+    from redrafter_mlx.loading.loader import load_base_model
 
     model, tokenizer = load_base_model(None)
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True)
@@ -75,7 +76,7 @@ def test_default_drafter_speeds_up_without_changing_greedy_output():
 def test_ignore_chat_template_encodes_like_mlx_lm(smol_drafter):
     result = run_cli("generate", "--drafter", smol_drafter, "--prompt", "Once upon a time", "--max-tokens", 4, "--ignore-chat-template", "--json")
     assert result.returncode == 0, result.stderr
-    from redrafter_mlx.loading import load_base_model
+    from redrafter_mlx.loading.loader import load_base_model
 
     _, tokenizer = load_base_model(None)
     assert json.loads(result.stdout)["prompt_tokens"] == len(tokenizer.encode("Once upon a time"))
@@ -97,7 +98,7 @@ def test_prompts_file_gives_one_json_line_per_prompt_in_order(smol_drafter, tmp_
     [
         (["--beam-width", 0], "beam width"),
         (["--beam-length", 1], "beam length"),
-        (["--max-tokens", -1], "max tokens"),
+        (["--max-tokens", -1], "argument --max-tokens/-n: must be at least 0"),
         (["--temp", -1], "temperature"),
         (["--top-p", 1.5], "top-p"),
         (["--top-k", -2], "top-k"),
@@ -171,10 +172,10 @@ def test_distill_then_train_on_two_folders_gives_a_drafter_generate_loads(tmp_pa
     assert (tmp_path / "drafter" / "datastore.npy").read_bytes() == before
     assert_clean_error(run_cli(*train[:4], tmp_path / "greedy", *train[5:]), "given twice")
     assert_clean_error(run_cli(*train[:4], tmp_path, *train[5:]), "not a distillation data folder")
-    assert_clean_error(run_cli(*train, "--freeze-head-steps", 2), "needs --warm-start")
-    assert_clean_error(run_cli(*train, "--warm-start", "--freeze-head-steps", -1), "--freeze-head-steps must be at least 0")
+    assert_clean_error(run_cli(*train, "--freeze-head-steps", 2), "freezing the head needs a warm start")
+    assert_clean_error(run_cli(*train, "--warm-start", "--freeze-head-steps", -1), "freeze head steps must be at least 0")
     greedy_samples = run_cli("distill", "--prompts", prompts, "--output", tmp_path / "new", "--samples", 2)
-    assert_clean_error(greedy_samples, "--samples above 1 needs --temp above 0")
+    assert_clean_error(greedy_samples, "more than one sample per prompt needs a temperature above 0")
     assert not (tmp_path / "new").exists()
 
 
@@ -201,7 +202,23 @@ def test_bench_writes_json_and_plot(smol_drafter, tmp_path):
     assert report["results"][2]["nodes_per_step"] > 1  # rnn:2x3 verifies its beams
     assert (tmp_path / "b.png").read_bytes()[:4] == b"\x89PNG"
     assert_clean_error(run_cli("bench", "--configs", "fast"), "unknown bench configuration")
-    assert_clean_error(run_cli("bench", "--configs", "auto,lookuplen:0"), "lookup length must be at least 1")
+    assert_clean_error(run_cli("bench", "--configs", "auto,lookuplen:0"), "unknown bench configuration 'lookuplen:0'")
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["generate", "--lookup-beams", 2], "--lookup-beams was removed"),
+        (["train", "--soft-targets=1", "--data", "d", "-o", "o"], "--soft-targets was removed"),
+        (["train", "--hidden-dropout", 0.1, "--data", "d", "-o", "o"], "--hidden-dropout was removed"),
+        (["train", "--lookup-weight", 0.3, "--data", "d", "-o", "o"], "--lookup-weight was removed"),
+        (["train", "--no-rnn", "--data", "d", "-o", "o"], "--no-rnn was removed"),
+        (["generate", "--no-such-option"], "unrecognized arguments: --no-such-option"),
+        (["frobnicate"], "invalid choice: 'frobnicate'"),
+    ],
+)
+def test_removed_and_unknown_options_get_one_error_line(args, message):
+    assert_clean_error(run_cli(*args), message)
 
 
 def test_help_lists_every_command_and_option_defaults():
@@ -228,7 +245,7 @@ def mlx_lm_greedy_answer(question, max_tokens):
     import mlx.core as mx
     from mlx_lm.generate import generate_step
 
-    from redrafter_mlx.loading import load_base_model
+    from redrafter_mlx.loading.loader import load_base_model
 
     model, tokenizer = load_base_model(None)
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True)
@@ -244,7 +261,7 @@ def test_lookup_only_and_the_shipped_drafter_found_by_model_identity(tmp_path):
     """--drafter none drafts by context lookup alone; the default model
     copied elsewhere and passed with --model still gets its shipped drafter;
     all of them keep mlx-lm's greedy output."""
-    from redrafter_mlx.gguf import default_model_path
+    from redrafter_mlx.loading.gguf import default_model_path
 
     question = "Repeat this list twice: apples, pears, plums, figs."
     expected = mlx_lm_greedy_answer(question, 40)
@@ -277,10 +294,9 @@ def test_a_model_with_no_shipped_drafter_drafts_by_lookup_and_says_so(chat_model
     "args, message",
     [
         (["--max-nodes", -1], "max nodes"),
-        (["--max-nodes", "many"], "--max-nodes takes a whole number"),
-        (["--lookup-max-ngram", 0], "lookup max n-gram"),
+        (["--max-nodes", "many"], "argument --max-nodes: takes a whole number or 'auto'"),
+        (["--lookup-max-ngram", 0], "lookup max ngram must be at least 1"),
         (["--lookup-length", 0], "lookup length"),
-        (["--lookup-beams", 0], "lookup beams"),
         (["--datastore-beams", -1], "datastore beams"),
         (["--drafter", "none", "--beam-width", 4], "does not go with --drafter none"),
         (["--model", "/no/such/path"], "model not found: /no/such/path"),
@@ -292,11 +308,10 @@ def test_bad_drafting_options_get_one_error_line(args, message):
 
 
 def test_a_prompt_that_is_not_utf8_gets_one_error_line():
-    import os
     import subprocess
     import sys
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = ROOT
     result = subprocess.run(
         [sys.executable, "-m", "redrafter_mlx.cli", "generate", "--prompt", "-"], input=b"caf\xe9 \xff\xfe",
         capture_output=True, cwd=root, env=dict(os.environ, PYTHONPATH=root), timeout=300,
@@ -318,12 +333,11 @@ def test_a_temp_dir_that_does_not_exist_gets_one_warning_and_the_command_runs(tm
 
 
 def test_loading_warns_when_mlx_runs_on_the_reference_blas():
-    import os
     import subprocess
     import sys
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    code = "import mlx.core; import redrafter_mlx; from redrafter_mlx.loading import warn_if_slow_blas; warn_if_slow_blas()"
+    root = ROOT
+    code = "import mlx.core; import redrafter_mlx; from redrafter_mlx.loading.loader import warn_if_slow_blas; warn_if_slow_blas()"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root, env=dict(os.environ, PYTHONPATH=root))
     assert result.returncode == 0
     if sys.platform.startswith("linux"):
@@ -333,7 +347,7 @@ def test_loading_warns_when_mlx_runs_on_the_reference_blas():
 def test_self_prompts_bad_input_gets_one_error_line_and_loses_nothing(chat_model, tmp_path):
     model, _, _, _, _ = chat_model
     assert_clean_error(run_cli("distill", "-o", tmp_path / "a"), "either --prompts FILE or --self-prompts N")
-    assert_clean_error(run_cli("distill", "--self-prompts", 0, "-o", tmp_path / "a"), "--self-prompts must be at least 1")
+    assert_clean_error(run_cli("distill", "--self-prompts", 0, "-o", tmp_path / "a"), "argument --self-prompts: must be at least 1")
     # A model without a chat template has no user turn to write.
     plain = tmp_path / "plain"
     shutil.copytree(model, plain)
@@ -357,8 +371,8 @@ def test_self_prompts_bad_input_gets_one_error_line_and_loses_nothing(chat_model
 def test_distill_answers_a_prompt_log_and_the_log_option_fails_cleanly(chat_model, tmp_path):
     from mlx_lm.utils import load_tokenizer
 
-    from redrafter_mlx.api import encode_prompt
-    from redrafter_mlx.distill import DataFolder
+    from redrafter_mlx.serving.api import encode_prompt
+    from redrafter_mlx.training.distill import DataFolder
 
     model = chat_model[0]
     conversation = [{"role": "system", "content": "w3"}, {"role": "user", "content": "w1 w2"}]
@@ -376,3 +390,20 @@ def test_distill_answers_a_prompt_log_and_the_log_option_fails_cleanly(chat_mode
     assert_clean_error(run_cli("generate", "--model", model, "--drafter", "none", "--prompts", foreign), "prompt token ids must be in [0, ")
     for command in ("chat", "serve"):
         assert_clean_error(run_cli(command, "--model", model, "--log-prompts", tmp_path / "no" / "log.jsonl"), "cannot write the prompt log")
+
+
+def test_the_readme_has_a_table_row_for_every_option_of_every_command():
+    import argparse
+
+    from redrafter_mlx.cli import build_parser
+
+    with open(os.path.join(ROOT, "README.md")) as f:
+        rows = "\n".join(line for line in f if line.startswith("|"))
+    commands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    missing = []
+    for name, parser in commands.choices.items():
+        for action in parser._actions:
+            for flag in action.option_strings:
+                if flag.startswith("--") and flag != "--help" and f"`{flag}`" not in rows:
+                    missing.append(f"{name} {flag}")
+    assert not missing

@@ -11,7 +11,7 @@ import pytest
 from conftest import tiny_model
 
 from redrafter_mlx.convert import convert_checkpoint
-from redrafter_mlx.drafter import load_drafter
+from redrafter_mlx.drafting.drafter import load_drafter
 from redrafter_mlx.errors import UserError
 
 torch = pytest.importorskip("torch")
@@ -296,7 +296,7 @@ def test_checkpoint_without_torch_reads_safetensors_only(tmp_path, monkeypatch):
 
 
 def test_base_model_is_checked(tmp_path, monkeypatch):
-    from redrafter_mlx import loading
+    from redrafter_mlx.loading import loader as loading
 
     monkeypatch.setattr(loading, "load_base_model", lambda path, dtype=None, quantize=None: (tiny_model(), None))
     module, config = make_drafter(128, 1, True, hidden=64, vocab=256)

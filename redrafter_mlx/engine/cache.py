@@ -1,0 +1,225 @@
+"""The KV cache for tree verification, plugged into unmodified mlx-lm models.
+
+Every attention layer gets a ``TreeKVCache``; all of them share one
+``CacheLayout`` that says where each row's committed tokens are, and what the
+block being fed now is (a causal chunk of the prompt, or a packed tree). The
+model sees the layout only through the cache interface mlx-lm models use:
+``offset`` (RoPE positions), ``update_and_fetch`` and ``make_mask``.
+
+Buffer layout, per row b of the batch::
+
+    [ left padding | committed tokens | junk | block being verified ]
+    0          pad[b]            length[b]    start      start + block
+
+``start`` is the largest committed length; rows that accepted fewer tokens
+than others have junk between their end and ``start``, which the mask hides.
+A tree's accepted path is later copied to ``length[b]``, so a row's
+committed tokens always stay contiguous, with position = index - pad[b].
+"""
+
+from typing import Optional
+
+import mlx.core as mx
+import numpy as np
+
+STEP = 256  # grow buffers in multiples of this many positions, like mlx-lm
+
+
+class CacheLayout:
+    """Host-side bookkeeping shared by all layers.
+
+    left_padding, lengths: (batch,) numpy int arrays (see module docstring).
+    Call ``begin_chunk`` or ``begin_tree`` before each forward pass and
+    ``end_chunk`` or ``commit`` after it.
+    """
+
+    def __init__(self, left_padding: list[int]):
+        self.left_padding = np.asarray(left_padding, dtype=np.int64)
+        self.lengths = np.zeros_like(self.left_padding)
+        self.offset = None  # what RoPE gets for the current block
+        self._depths: Optional[mx.array] = None  # (B, N), tree mode only
+        self._tree_mask: Optional[mx.array] = None  # (B, N, N), tree mode only
+        self._masks: dict = {}
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def start(self) -> int:
+        return int(self.lengths.max())
+
+    def begin_chunk(self) -> None:
+        """The next block is a causal chunk of the (left-padded) prompts. Only
+        valid while all rows have the same length, i.e. before any tree."""
+        assert (self.lengths == self.lengths[0]).all(), "chunks need aligned rows"
+        self._depths = self._tree_mask = None
+        self._masks = {}
+        positions = self.lengths - self.left_padding
+        if self.batch_size == 1:
+            self.offset = int(positions[0])
+        else:
+            self.offset = mx.array(positions, mx.int32)
+
+    def end_chunk(self, num_tokens: int) -> None:
+        self.lengths += num_tokens
+
+    def begin_tree(self, depths: mx.array, tree_mask: mx.array) -> None:
+        """The next block is a packed tree: depths (B, N), tree_mask (B, N, N)."""
+        self._depths, self._tree_mask, self._masks = depths, tree_mask, {}
+        positions = mx.array(self.lengths - self.left_padding, mx.int32)
+        self.offset = positions[:, None] + depths  # (B, N) per-token positions
+
+    def commit(self, accepted: np.ndarray) -> None:
+        """Rows advance by ``accepted`` (B,) tokens after a tree step."""
+        self.lengths += accepted
+
+    def mask(self, num_tokens: int, window_size: Optional[int]) -> mx.array:
+        """(B, 1, N, start + N) bool: which keys each query of the block sees."""
+        if window_size not in self._masks:
+            self._masks[window_size] = self._make_mask(num_tokens, window_size)
+        return self._masks[window_size]
+
+    def _make_mask(self, num_tokens: int, window_size: Optional[int]) -> mx.array:
+        start = self.start
+        keys = mx.arange(start + num_tokens)[None, None, :]  # (1, 1, S)
+        pad = mx.array(self.left_padding, mx.int32)[:, None, None]
+        length = mx.array(self.lengths, mx.int32)[:, None, None]
+        block_index = keys - start
+        committed = (keys >= pad) & (keys < length)  # (B, 1, S)
+        if self._depths is None:
+            query = mx.arange(num_tokens)[None, :, None]  # (1, N, 1)
+            # A padding query sees itself only, so its softmax stays finite.
+            block = (block_index >= 0) & (block_index <= query) & (keys >= pad)
+            block = block | (block_index == query)
+            query_pos = length - pad + query
+            key_depth = block_index
+        else:
+            block = mx.pad(self._tree_mask, [(0, 0), (0, 0), (start, 0)])
+            query_pos = length - pad + self._depths[:, :, None]
+            key_depth = mx.pad(self._depths, [(0, 0), (start, 0)])[:, None, :]
+        visible = committed | block
+        if window_size is not None:
+            key_pos = mx.where(block_index >= 0, length - pad + key_depth, keys - pad)
+            visible = visible & (query_pos - key_pos < window_size)
+        return visible[:, None]
+
+    def filter(self, rows: list[int]) -> int:
+        """Keep only these rows (finished rows leave the batch), then drop the
+        padding columns that every remaining row has; returns how many."""
+        self.left_padding = self.left_padding[rows]
+        self.lengths = self.lengths[rows]
+        trim = int(self.left_padding.min())
+        self.left_padding -= trim
+        self.lengths -= trim
+        return trim
+
+    def extend(self, other: "CacheLayout") -> tuple[int, int]:
+        """Append the rows of another layout (prompts joining a batch between
+        steps). Both sides' buffers are left-padded to the wider one,
+        ``start`` positions; returns the padding added to (self, other)."""
+        mine, theirs = self.start, other.start
+        widest = max(mine, theirs)
+        self.left_padding = np.concatenate([self.left_padding + widest - mine, other.left_padding + widest - theirs])
+        self.lengths = np.concatenate([self.lengths + widest - mine, other.lengths + widest - theirs])
+        return widest - mine, widest - theirs
+
+
+class TreeKVCache:
+    """One layer's keys and values, (B, kv_heads, capacity, head_dim)."""
+
+    def __init__(self, layout: CacheLayout):
+        self.layout = layout
+        self.keys: Optional[mx.array] = None
+        self.values: Optional[mx.array] = None
+        self.block_end = 0  # where the block last fed ends
+
+    @property
+    def offset(self):
+        return self.layout.offset
+
+    def make_mask(self, num_tokens: int, return_array: bool = False, window_size=None):
+        return self.layout.mask(num_tokens, window_size)
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        start, num_tokens = self.layout.start, keys.shape[2]
+        end = start + num_tokens
+        if self.keys is None or end > self.keys.shape[2]:
+            self._grow(keys, values, end)
+        self.keys[..., start:end, :] = keys
+        self.values[..., start:end, :] = values
+        self.block_end = end
+        return self.keys[..., :end, :], self.values[..., :end, :]
+
+    def _grow(self, keys: mx.array, values: mx.array, needed: int) -> None:
+        capacity = (needed + STEP - 1) // STEP * STEP
+        batch, heads, _, key_dim = keys.shape
+        new_keys = mx.zeros((batch, heads, capacity, key_dim), keys.dtype)
+        new_values = mx.zeros((batch, heads, capacity, values.shape[3]), values.dtype)
+        if self.keys is not None:
+            old = self.keys.shape[2]
+            new_keys[..., :old, :] = self.keys
+            new_values[..., :old, :] = self.values
+        self.keys, self.values = new_keys, new_values
+
+    def commit_path(self, path: np.ndarray, accepted: np.ndarray) -> None:
+        """Copy each row's root and accepted nodes, the packed block indices
+        ``path[b, : accepted[b] + 1]`` (host arrays, (B, P) and (B,)), to
+        the row's end, ``lengths[b]`` on (the caller then advances lengths).
+        Nothing moves when they are in place already: the root alone, or a
+        path packed in order, at batch 1 or with aligned rows."""
+        start = self.layout.start
+        kept = int(accepted.max()) + 1
+        source = start + path[:, :kept]
+        target = self.layout.lengths[:, None] + np.arange(kept)
+        if (source == target).all():
+            return
+        # The gather and scatter below are not bounds-checked: sources must
+        # stay inside the verified block.
+        assert int(source.max()) < self.block_end, "path outside the verified block"
+        if (self.layout.lengths == start).all():
+            # Every row ends where the block begins (always so at batch 1):
+            # the root is in place, and the rest is one slice for all rows,
+            # written in place (a scatter into the whole buffer copies it).
+            index = mx.array(path[:, None, 1:kept, None], mx.int32)
+            for buffer in (self.keys, self.values):
+                shape = (*buffer.shape[:2], kept - 1, buffer.shape[3])
+                moved = mx.take_along_axis(buffer[..., start : self.block_end, :], mx.broadcast_to(index, shape), axis=2)
+                buffer[..., start + 1 : start + kept, :] = moved
+            return
+        source = mx.array(source[:, None, :, None], mx.int32)
+        target = mx.array(target[:, None, :, None], mx.int32)
+        for name in ("keys", "values"):
+            buffer = getattr(self, name)
+            shape = (*buffer.shape[:2], kept, buffer.shape[3])
+            moved = mx.take_along_axis(buffer, mx.broadcast_to(source, shape), axis=2)
+            setattr(self, name, mx.put_along_axis(buffer, mx.broadcast_to(target, shape), moved, axis=2))
+
+    def filter(self, rows: mx.array, trim: int) -> None:
+        """Keep ``rows``, without their first ``trim`` (padding) positions."""
+        self.keys, self.values = self.keys[rows, :, trim:], self.values[rows, :, trim:]
+
+    def extend(self, other: "TreeKVCache", length: int, other_length: int, pad: int, other_pad: int) -> None:
+        """Append another cache's rows, each side holding ``length`` /
+        ``other_length`` positions and moved right by ``pad`` / ``other_pad``."""
+
+        def shifted(buffer, used, shift):
+            return mx.pad(buffer[..., :used, :], [(0, 0), (0, 0), (shift, 0), (0, 0)])
+
+        self.keys = mx.concatenate([shifted(self.keys, length, pad), shifted(other.keys, other_length, other_pad)])
+        self.values = mx.concatenate([shifted(self.values, length, pad), shifted(other.values, other_length, other_pad)])
+
+    def rows_kv(self, row: int, begin: int, end: int) -> tuple[mx.array, mx.array]:
+        """Keys and values of one row's positions begin .. end, (1, H, end - begin, D)."""
+        return self.keys[row : row + 1, :, begin:end], self.values[row : row + 1, :, begin:end]
+
+    def state_arrays(self) -> list:
+        return [self.keys, self.values]
+
+
+def extend_batch(layout: CacheLayout, caches: list, other_layout: CacheLayout, other_caches: list) -> None:
+    """Append the rows of another batch's layout and caches to these."""
+    length, other_length = layout.start, other_layout.start
+    pad, other_pad = layout.extend(other_layout)
+    for cache, other in zip(caches, other_caches):
+        cache.extend(other, length, other_length, pad, other_pad)

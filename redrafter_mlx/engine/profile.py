@@ -1,0 +1,40 @@
+"""Where a step's time goes, for benchmarks.
+
+A running step evaluates once (``Decoder.step``); its phases run lazily in
+one graph, so their times cannot be read off it. A ``StepProfile`` given to
+the ``Decoder`` evaluates at the end of each phase instead and adds the
+seconds since the last one to that phase. The extra synchronisations cost
+time of their own, so profiled runs are never the timed ones.
+"""
+
+import time
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+
+PHASES = ("prefill", "host", "verification", "acceptance", "drafting", "commit")
+
+
+@dataclass
+class StepProfile:
+    """Seconds per phase, summed over the steps profiled:
+    prefill: prompts fed and first tokens chosen; host: lookup, tree building
+    and pruning; verification: the base model's pass over the tree;
+    acceptance: token choice and the acceptance walk; drafting: the RNN's
+    beam search for the next step; commit: the accepted path's keys and
+    values moved into place."""
+
+    seconds: dict = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
+    steps: int = 0
+    last: float = field(default_factory=time.perf_counter)
+
+    def lap(self, phase: str, *arrays) -> None:
+        """Evaluate ``arrays`` and charge the time since the last lap to ``phase``."""
+        mx.eval(*arrays)
+        now = time.perf_counter()
+        self.seconds[phase] += now - self.last
+        self.last = now
+
+    def restart(self) -> None:
+        """Start the next lap now (time between runs counts nowhere)."""
+        self.last = time.perf_counter()

@@ -1,0 +1,126 @@
+"""A prompt cache: the base model's keys and values for the tokens of a
+conversation so far, so that the next turn prefills only what is new.
+
+The engine reuses the longest common prefix of a cache's tokens and the new
+prompt, so a cache may hold more than the prompt shares (an answer that was
+stopped, or that the chat template writes back differently): only the
+shared part is used, and the result is what a full prefill gives.
+"""
+
+import json
+import os
+from pathlib import Path
+from typing import Optional, Sequence
+
+import mlx.core as mx
+
+from ..errors import UserError
+
+FORMAT = 1
+
+
+class PromptCache:
+    """tokens: the token ids whose keys and values are held; keys, values:
+    per layer of the base model, (1, kv_heads, len(tokens), head_dim).
+    model: the identity of the model that made them ('' when unknown).
+
+    Empty until a generation given it (``prompt_cache=``) fills it; each
+    step of that generation replaces the whole state at once, so a cache is
+    consistent whenever the generation is interrupted.
+    """
+
+    def __init__(self, tokens: Sequence[int] = (), keys: Sequence = (), values: Sequence = (), model: str = ""):
+        self._state = (list(tokens), list(keys), list(values))
+        self.model = model
+
+    @property
+    def tokens(self) -> list:
+        return self._state[0]
+
+    @property
+    def keys(self) -> list:
+        return self._state[1]
+
+    @property
+    def values(self) -> list:
+        return self._state[2]
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def set(self, tokens: list, keys: list, values: list, model: str) -> None:
+        self._state, self.model = (tokens, keys, values), model
+
+    def clear(self) -> None:
+        self._state = ([], [], [])
+
+    def reusable(self, prompt: Sequence[int]) -> int:
+        """Leading tokens of ``prompt`` this cache gives: their common
+        prefix, at most all but the prompt's last token (which is always
+        fed, for the logits of what follows it)."""
+        limit, tokens, n = min(len(self.tokens), len(prompt) - 1), self.tokens, 0
+        while n < limit and tokens[n] == prompt[n]:
+            n += 1
+        return n
+
+    def check(self, identity: str, num_layers: int) -> None:
+        """Refuse a cache made by another model."""
+        if self.tokens and ((self.model and identity and self.model != identity) or len(self.keys) != num_layers):
+            raise UserError("the prompt cache was made by another model")
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.keys + self.values)
+
+    def compact(self) -> "PromptCache":
+        """A copy that owns just its own memory (a cache a generation filled
+        holds views of that generation's whole batch buffers)."""
+        keys = [mx.contiguous(k) for k in self.keys]
+        values = [mx.contiguous(v) for v in self.values]
+        mx.eval(keys, values)
+        return PromptCache(self.tokens, keys, values, self.model)
+
+
+def make_prompt_cache() -> PromptCache:
+    """An empty cache to pass as ``prompt_cache=`` (as in mlx-lm)."""
+    return PromptCache()
+
+
+def save_prompt_cache(path: str, cache: PromptCache, metadata: Optional[dict] = None) -> None:
+    """Write a cache to a ``.safetensors`` file (written whole, then moved
+    into place); ``metadata`` (str -> str) is kept beside it."""
+    path = Path(path)
+    if path.suffix != ".safetensors":
+        raise UserError(f"a prompt cache file ends in .safetensors, got {path}")
+    arrays = {}
+    for i, (k, v) in enumerate(zip(cache.keys, cache.values)):
+        arrays[f"keys.{i}"], arrays[f"values.{i}"] = mx.contiguous(k), mx.contiguous(v)
+    info = {"format": str(FORMAT), "tokens": json.dumps(cache.tokens), "model": cache.model, "layers": str(len(cache.keys))}
+    info["metadata"] = json.dumps(metadata or {})
+    tmp = path.with_name(f".{path.stem}.tmp{os.getpid()}.safetensors")
+    try:
+        mx.save_safetensors(str(tmp), arrays, metadata=info)
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise UserError(f"cannot write the prompt cache {path} ({e})") from None
+
+
+def load_prompt_cache(path: str, return_metadata: bool = False):
+    """Read a cache written by ``save_prompt_cache``; with
+    ``return_metadata``, returns (cache, metadata)."""
+    try:
+        arrays, info = mx.load(str(path), return_metadata=True)
+        if info.get("format") != str(FORMAT):
+            raise ValueError(f"format {info.get('format')!r}, expected {FORMAT}")
+        layers = int(info["layers"])
+        keys = [arrays[f"keys.{i}"] for i in range(layers)]
+        values = [arrays[f"values.{i}"] for i in range(layers)]
+        tokens = json.loads(info["tokens"])
+        metadata = json.loads(info.get("metadata", "{}"))
+        if any(k.ndim != 4 or k.shape[2] != len(tokens) for k in keys + values):
+            raise ValueError("key and value shapes do not match the tokens")
+    except (OSError, RuntimeError, ValueError, KeyError, TypeError) as e:
+        raise UserError(f"cannot read the prompt cache {path} ({e})") from None
+    cache = PromptCache(tokens, keys, values, info.get("model", ""))
+    return (cache, metadata) if return_metadata else cache

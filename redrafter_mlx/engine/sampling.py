@@ -1,0 +1,217 @@
+"""Choosing the base model's token at every tree node: greedy or sampled,
+with mlx-lm's sampling controls.
+
+Sampling draws one token per node with the Gumbel-max trick, from noise that
+is a hash of (seed, position of the token being chosen, vocabulary index).
+Along any root-to-leaf walk each position is therefore drawn exactly once,
+with noise independent of everything the walk has seen: the acceptance walk
+then emits exactly the autoregressive distribution. Since the noise depends
+only on the seed and the position, a seeded run gives the same tokens in a
+batch or alone, and the same tokens as autoregressive sampling with that seed.
+It also means a position's noise, once drawn, serves every later step whose
+nodes stand at that position: a run draws about one vector of noise per
+token it emits, not one per node it verifies.
+"""
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
+
+from ..errors import UserError
+from .types import Chooser, TokenHistory
+
+
+@dataclass
+class SamplingSettings:
+    """mlx-lm's sampling controls. temp 0 is greedy (argmax of the processed
+    logits); top_p 1, top_k 0, min_p 0 turn those filters off."""
+
+    temp: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: Optional[float] = None
+    repetition_context_size: int = 20
+    logit_bias: dict = field(default_factory=dict)
+    seed: int = 0  # the prompt at index i of the input list samples with row_seed(seed, i)
+    row_seeds: Optional[list] = None  # a seed per prompt of the input list, instead of `seed`
+
+    def __post_init__(self):
+        if self.temp < 0:
+            raise UserError(f"temperature must be >= 0, got {self.temp}")
+        if not 0 < self.top_p <= 1:
+            raise UserError(f"top-p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise UserError(f"top-k must be >= 0, got {self.top_k}")
+        if not 0 <= self.min_p <= 1:
+            raise UserError(f"min-p must be in [0, 1], got {self.min_p}")
+        if self.repetition_penalty is not None and self.repetition_penalty <= 0:
+            raise UserError(f"repetition penalty must be > 0, got {self.repetition_penalty}")
+        if self.repetition_context_size < 1:
+            raise UserError(f"repetition context size must be >= 1, got {self.repetition_context_size}")
+
+
+MASK64 = (1 << 64) - 1
+
+
+def greedy(logits: mx.array, history: TokenHistory) -> mx.array:
+    """The default chooser: the argmax of the raw logits, (B, N, V) -> (B, N)."""
+    return mx.argmax(logits, axis=-1)
+
+
+def row_seed(seed: int, index: int) -> int:
+    """The seed of the prompt at ``index`` of an input list (a batch, a
+    prompts file) sampled with ``seed``: a 64-bit mix of both (splitmix64's
+    finaliser over seed + index * 2**64 / golden ratio), so that copies of
+    one prompt draw independent samples, while each prompt's tokens depend
+    only on (seed, index), never on the batch it ran in."""
+    x = (seed + (index + 1) * 0x9E3779B97F4A7C15) & MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & MASK64
+    return x ^ (x >> 31)
+
+
+def _mix(x: mx.array) -> mx.array:
+    """A 32-bit integer finaliser (murmur3's): every input bit affects every
+    output bit."""
+    x = x ^ (x >> 16)
+    x = x * mx.array(0x85EBCA6B, mx.uint32)
+    x = x ^ (x >> 13)
+    x = x * mx.array(0xC2B2AE35, mx.uint32)
+    return x ^ (x >> 16)
+
+
+def gumbel_noise(seeds: list, positions: mx.array, vocab_size: int) -> mx.array:
+    """Standard Gumbel noise (B, N, vocab_size), a pure function of each
+    row's seed (B seeds), each position in ``positions`` (B, N) and the
+    vocabulary index."""
+    vocab = mx.arange(vocab_size, dtype=mx.uint32)
+    low = mx.array([s & 0xFFFFFFFF for s in seeds], mx.uint32)
+    high = mx.array([(s >> 32) & 0xFFFFFFFF for s in seeds], mx.uint32)
+    key = _mix(_mix(low + mx.array(0x9E3779B9, mx.uint32)) ^ high)[:, None, None]
+    x = _mix(key ^ _mix(positions.astype(mx.uint32)[..., None] * mx.array(0x27D4EB2F, mx.uint32) + 1))
+    x = _mix(x ^ (vocab * mx.array(0x165667B1, mx.uint32)))
+    return -mx.log(-mx.log(open_uniform(x)))
+
+
+def open_uniform(bits: mx.array) -> mx.array:
+    """uint32 hash values -> float32 uniforms strictly inside (0, 1).
+
+    Only the top 23 bits are used: (k + 0.5) / 2**23 for k < 2**23 is exact
+    in float32 (float32 has 24 significant bits), from 2**-24 up to
+    1 - 2**-24. With 24 bits the largest value, (2**24 - 0.5) / 2**24, is
+    not a float32 and rounds to 1.0: its Gumbel noise is +inf, and that
+    token wins whatever its probability, even a filtered one.
+    """
+    return ((bits >> 9).astype(mx.float32) + 0.5) / float(1 << 23)
+
+
+def history_windows(history: TokenHistory, size: int) -> mx.array:
+    """The last ``size`` tokens before each node's successor, (B, N, size),
+    -1 where the history is shorter: the row's context, then the node's
+    ancestors below the root (the root is the context's last token)."""
+    tails = [c[-size:] for c in history.context]
+    context = mx.array([[-1] * (size - len(t)) + t for t in tails], mx.int32)  # (B, size)
+    if history.node_tokens is None:
+        return context[:, None, :]
+    tokens, mask, depths = history.node_tokens, history.node_mask, history.node_depths
+    num_nodes = tokens.shape[1]
+    # path[b, n, j]: token of n's ancestor at depth j + 1, or -1.
+    at_depth = depths[:, None, :, None] == mx.arange(1, num_nodes)  # (B, 1, N(m), N-1)
+    owns = mask[..., None] & at_depth  # (B, N(n), N(m), N-1)
+    path = (owns * (tokens[:, None, :, None] + 1)).sum(axis=2) - 1  # (B, N, N-1)
+    sequence = mx.concatenate([mx.broadcast_to(context[:, None], (*tokens.shape, size)), path], -1)
+    index = depths[..., None] + mx.arange(size)  # skip as many context tokens as the path adds
+    return mx.take_along_axis(sequence, index, axis=-1)
+
+
+def apply_repetition_penalty(logits: mx.array, windows: mx.array, penalty: float) -> mx.array:
+    """mlx-lm's sign-aware repetition penalty on the tokens of each node's
+    window. logits (B, N, V), windows (B, N, K) with -1 for no token."""
+    index = mx.maximum(windows, 0)
+    selected = mx.take_along_axis(logits, index, axis=-1)
+    penalised = mx.where(selected < 0, selected * penalty, selected / penalty)
+    penalised = mx.where(windows >= 0, penalised, selected)
+    return mx.put_along_axis(logits, index, penalised, axis=-1)
+
+
+def make_chooser(settings: SamplingSettings) -> Chooser:
+    """A function (logits (B, N, V), history) -> (B, N) token ids."""
+    filters = []
+    if settings.top_p < 1:
+        filters.append(lambda x: apply_top_p(x, settings.top_p))
+    if settings.min_p > 0:
+        filters.append(lambda x: apply_min_p(x, settings.min_p))
+    if settings.top_k > 0:
+        filters.append(lambda x: apply_top_k(x, settings.top_k))
+    bias = None
+    if settings.logit_bias:
+        bias = (mx.array(list(settings.logit_bias)), mx.array(list(settings.logit_bias.values()), mx.float32))
+
+    def seed_of(row: int) -> int:
+        if settings.row_seeds is None:
+            return row_seed(settings.seed, row)
+        if row >= len(settings.row_seeds):
+            raise UserError(f"row_seeds holds {len(settings.row_seeds)} seeds, but prompt {row} is being sampled")
+        return settings.row_seeds[row]
+
+    noise = {}  # (seed, position, vocab) -> Gumbel noise (vocab,), kept while calls still ask for it
+
+    def noise_at(seeds: list, positions: np.ndarray, vocab: int) -> mx.array:
+        """Noise (B, N, vocab) for each row's seed at each of its positions
+        (B, N). Each (seed, position) is drawn once and reused while
+        consecutive calls ask for it (the nodes of the next step stand
+        where this step's deeper nodes stood)."""
+        keys = [(seed, int(p), vocab) for seed, row in zip(seeds, positions) for p in row]
+        missing = [k for k in dict.fromkeys(keys) if k not in noise]
+        if missing:
+            fresh = gumbel_noise([k[0] for k in missing], mx.array([[k[1]] for k in missing], mx.int32), vocab)
+            noise.update((k, fresh[i, 0]) for i, k in enumerate(missing))
+        for key in noise.keys() - set(keys):
+            del noise[key]
+        return mx.stack([noise[k] for k in keys]).reshape(*positions.shape, vocab)
+
+    def choose(logits: mx.array, history: TokenHistory) -> mx.array:
+        logits = logits.astype(mx.float32)
+        if bias is not None:
+            logits = logits.at[..., bias[0]].add(bias[1])
+        if settings.repetition_penalty is not None:
+            windows = history_windows(history, settings.repetition_context_size)
+            logits = apply_repetition_penalty(logits, windows, settings.repetition_penalty)
+        if settings.temp == 0:
+            return mx.argmax(logits, axis=-1)
+        batch, nodes, vocab = logits.shape
+        # Log-probabilities up to a per-node constant, which neither the
+        # filters (top-p divides by the total mass) nor the argmax see; the
+        # maximum is 0, so exp() cannot overflow. Cheaper than a logsumexp.
+        logprobs = (logits - logits.max(axis=-1, keepdims=True)).reshape(-1, vocab)
+        for apply_filter in filters:
+            logprobs = apply_filter(logprobs)
+        positions = np.array([len(c) for c in history.context], np.int64)[:, None]
+        if history.node_depths is not None:
+            positions = positions + np.array(history.node_depths)
+        positions = np.broadcast_to(positions, (batch, nodes))
+        seeds = [seed_of(r) for r in history.rows]
+        return mx.argmax(logprobs.reshape(batch, nodes, vocab) / settings.temp + noise_at(seeds, positions, vocab), axis=-1)
+
+    return choose
+
+
+def chooser_per_prompt(choosers: dict) -> Chooser:
+    """A chooser for a batch whose prompts have settings of their own:
+    ``choosers`` maps each prompt's id (``TokenHistory.rows``) to its
+    chooser, which sees the prompt as prompt 0 of a list of its own (so a
+    seeded prompt samples as it would alone). The dict may change between
+    calls, as prompts join and leave."""
+
+    def choose(logits: mx.array, history: TokenHistory) -> mx.array:
+        chosen = []
+        for i, row in enumerate(history.rows):
+            nodes = [None if a is None else a[i : i + 1] for a in (history.node_tokens, history.node_mask, history.node_depths)]
+            chosen.append(choosers[row](logits[i : i + 1], TokenHistory([0], [history.context[i]], *nodes)))
+        return mx.concatenate(chosen)
+
+    return choose

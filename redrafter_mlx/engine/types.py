@@ -1,0 +1,82 @@
+"""The engine's shared types: the model pair it runs, what a token choice
+may read, and what a step gives each row."""
+
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import mlx.core as mx
+import numpy as np
+
+from ..drafting.budget import AcceptanceStats
+from ..drafting.datastore import Datastore
+from ..drafting.drafter import Drafter
+from .base_model import BaseModel
+
+
+@dataclass
+class ReDrafter:
+    """A base model and its drafter (None: context lookup only).
+
+    identity, drafter_identity: digests naming the exact model and drafter
+    (``loading.loader.model_identity``), which key the cached cost curves.
+    acceptance: what this pair's runs so far had accepted, per draft source
+    and depth; each run starts from it (``drafting.speculator.Speculator``).
+    datastore: the drafter's datastore, if it has one.
+    generation_config: the sampling settings the model's folder recommends
+    (its ``generation_config.json``; empty when it has none).
+    """
+
+    base: BaseModel
+    drafter: Optional[Drafter]
+    identity: str = ""
+    drafter_identity: str = ""
+    acceptance: AcceptanceStats = field(default_factory=AcceptanceStats, repr=False, compare=False)
+    datastore: Optional[Datastore] = field(default=None, repr=False, compare=False)
+    generation_config: dict = field(default_factory=dict, repr=False, compare=False)
+
+
+@dataclass
+class TokenHistory:
+    """What a node's token choice may depend on besides its logits.
+
+    rows: per batch row, the index of its prompt in the input list.
+    context: per row, the prompt and all tokens committed so far (host lists).
+    node_tokens: (B, N) tokens of the nodes being scored (None at prefill).
+    node_mask: (B, N, N) ancestor-or-self mask of those nodes (None at prefill).
+    node_depths: (B, N) their depths; the root is the context's last token.
+    """
+
+    rows: list
+    context: list
+    node_tokens: Optional[mx.array] = None
+    node_mask: Optional[mx.array] = None
+    node_depths: Optional[mx.array] = None
+
+
+# choose(logits (B, N, vocab), history) -> (B, N) token ids; the history gives
+# each row's context and each node's ancestors for history-dependent processors.
+Chooser = Callable[[mx.array, TokenHistory], mx.array]
+
+
+@dataclass
+class StepOutput:
+    """What one step (or the prefill) produced for one row.
+
+    row: index of the prompt in the input list.
+    tokens: new token ids, already cut at EOS (which is not included) and
+        at max_tokens.
+    num_accepted: drafted tokens the base model accepted in this step (None
+        for the first token, which comes from the prefill).
+    finish_reason: None while the row goes on, else "stop" or "length".
+    hidden: (len(tokens), hidden_size) float16, the base model's hidden state
+        from which each token was chosen; only when asked for.
+    num_nodes: tree nodes this step verified for the row, the root included
+        (None for the first token).
+    """
+
+    row: int
+    tokens: list
+    num_accepted: Optional[int]
+    finish_reason: Optional[str] = None
+    hidden: Optional[np.ndarray] = None
+    num_nodes: Optional[int] = None

