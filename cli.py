@@ -103,10 +103,21 @@ SAMPLING = option_group("sampling", [
 PROMPT_LOG = option_group("prompt log", [
     (["--log-prompts"], dict(metavar="FILE", help="append each prompt answered to this JSONL file, which `distill --prompts` reads")),
 ])
+ANSWERS = option_group("earlier answers", [
+    (["--answer-store-mb"], dict(type=float, default=64, metavar="MB", help="memory for the answers produced so far, which later steps also draft from; 0 turns it off (64)")),
+])
 
 
 def fail(message: str) -> None:
     raise UserError(message)
+
+
+def answer_store(megabytes: float):
+    from redrafter_mlx.drafting.answers import answer_store as make
+
+    if megabytes < 0:
+        fail(f"--answer-store-mb takes a size of 0 or more, got {megabytes}")
+    return make(megabytes)
 
 
 def load_pair(args):
@@ -204,6 +215,7 @@ def chat(args):
 
     draft, log = draft_settings(args), prompt_log(args)
     redrafter, tokenizer = load_pair(args)
+    redrafter.answers = answer_store(args.answer_store_mb)
     if not tokenizer.has_chat_template:
         fail("this model's tokenizer has no chat template; use `redrafter-mlx generate`")
     sampling = chat_sampling(redrafter.generation_config, temp=args.temp, top_p=args.top_p, top_k=args.top_k,
@@ -218,6 +230,7 @@ def serve(args):
     draft, log = draft_settings(args), prompt_log(args)
     sock = listen(args.host, args.port)
     redrafter, tokenizer = load_pair(args)
+    redrafter.answers = answer_store(args.answer_store_mb)
     name = os.path.basename(args.model.rstrip("/")) if args.model else "SmolLM2-135M-Instruct"
     print("measuring this machine's verification cost (cached after the first time)...", file=sys.stderr)
     run_server(redrafter, tokenizer, draft, sock, name, max_batch=args.max_batch, max_tokens=args.max_tokens,
@@ -270,7 +283,7 @@ def bench(args):
     with tqdm(total=runs, unit="run", desc="bench", file=sys.stderr) as bar:
         results = benchmark.run_benchmark(
             redrafter, prompts, configs, max_tokens=args.max_tokens, batch_size=args.batch_size, repeats=args.repeats,
-            choose=choose, eos=list(tokenizer.eos_token_ids), progress=bar.update,
+            choose=choose, eos=list(tokenizer.eos_token_ids), progress=bar.update, curve=curve,
         )
     print(benchmark.format_table(results))
     mismatched = [r.name for r in results if r.mismatches]
@@ -363,11 +376,11 @@ def build_parser() -> Parser:
     p.add_argument("--ignore-chat-template", action="store_true", help="encode the prompt as it is, without the chat template")
     p.add_argument("--json", action="store_true", help="print one JSON object with the text, tokens and speed figures")
 
-    p = command(chat, MODEL, DRAFTER, DRAFTING, SAMPLING, PROMPT_LOG)
+    p = command(chat, MODEL, DRAFTER, DRAFTING, SAMPLING, PROMPT_LOG, ANSWERS)
     p.add_argument("--max-tokens", "-n", type=at_least(0), default=512, help="most new tokens per answer (512)")
     p.add_argument("--system-prompt", help="system message at the start of the conversation")
 
-    p = command(serve, MODEL, DRAFTER, DRAFTING, PROMPT_LOG)
+    p = command(serve, MODEL, DRAFTER, DRAFTING, PROMPT_LOG, ANSWERS)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1; 0.0.0.0 serves other machines too)")
     p.add_argument("--port", type=int, default=8080, help="port (8080)")
     p.add_argument("--max-batch", type=at_least(1), default=8, help="requests decoded together; more wait their turn (8)")
@@ -380,7 +393,7 @@ def build_parser() -> Parser:
     p.add_argument("--num-prompts", type=at_least(1), default=8, help="use the first N prompts, after --every (8)")
     p.add_argument("--every", type=at_least(1), default=1, help="use every K-th prompt of the file (1)")
     p.add_argument("--max-tokens", "-n", type=at_least(1), default=128, help="tokens generated per prompt (128)")
-    p.add_argument("--configs", default="auto,lookup,rnn:4x5,both:4x5", help="comma-separated: auto (the defaults), lookup (context lookup only), rnn:WxL (the RNN's beams, all verified), both:WxL (those and one lookup continuation) (auto,lookup,rnn:4x5,both:4x5)")
+    p.add_argument("--configs", default="auto,lookup,rnn:4x5,both:4x5", help="comma-separated: auto (the defaults), lookup (context lookup only), nodes:K (the defaults' drafts, K nodes verified every step), rnn:WxL (the RNN's beams, all verified), both:WxL (those and one lookup continuation) (auto,lookup,rnn:4x5,both:4x5)")
     p.add_argument("--batch-size", "-b", type=at_least(1), default=1, help="prompts decoded together; 1 compares against mlx-lm's own loop (1)")
     p.add_argument("--repeats", type=at_least(1), default=1, help="times each batch is measured; its speed-up is their median (1)")
     p.add_argument("--calibrate", action="store_true", help="measure this machine's cost curve again before the benchmark")

@@ -31,7 +31,7 @@ class AcceptanceStats:
 
     # (accepted / predicted, weight in predicted mass) before a source is seen;
     # the datastore's shares run high (bench/research/datastore/).
-    PRIORS = {"rnn": (1.0, 2.0), "lookup": (0.5, 2.0), "datastore": (0.8, 2.0)}
+    PRIORS = {"rnn": (1.0, 2.0), "lookup": (0.5, 2.0), "datastore": (0.8, 2.0), "answers": (0.8, 2.0)}
 
     def __init__(self, priors: Optional[dict] = None):
         self.priors = priors or {}

@@ -92,7 +92,7 @@ def cached_curve(key: str, draft_key: Optional[str], measure: Callable[[tuple], 
     curve = draft = None
     if not refresh:
         try:
-            if key in data:
+            if key in data and not data[key].get("stale"):
                 curve = CostCurve([int(n) for n in data[key]["sizes"]], [float(t) for t in data[key]["seconds"]])
                 if len(curve.sizes) != len(curve.seconds) or len(curve.sizes) < 2:
                     raise ValueError("sizes and seconds differ")
@@ -112,3 +112,12 @@ def cached_curve(key: str, draft_key: Optional[str], measure: Callable[[tuple], 
         _write_cache(path, data)
     curve.draft_seconds = draft or 0.0
     return curve
+
+
+def mark_stale(key: str) -> None:
+    """Mark a cached curve as no longer true: its next use measures it again."""
+    path = cache_path()
+    data = _read_cache(path)
+    if isinstance(data.get(key), dict):
+        data[key]["stale"] = True
+        _write_cache(path, data)

@@ -188,11 +188,12 @@ def lookup_drafts(proposals: list, estimate) -> list[Draft]:
     return drafts
 
 
-def datastore_drafts(proposals: list, estimate) -> list[Draft]:
-    """Datastore continuations ``(tokens, shares, n)`` as drafts, judged
-    per matched n-gram length and depth, each token's share its prediction."""
+def datastore_drafts(proposals: list, estimate, source: str = "datastore") -> list[Draft]:
+    """Datastore (or answer store) continuations ``(tokens, shares, n)`` as
+    drafts, judged per source, matched n-gram length and depth, each
+    token's share its prediction."""
     drafts = []
     for tokens, shares, n in proposals:
-        keys = [(f"datastore{n}", d) for d in range(1, len(tokens) + 1)]
+        keys = [(f"{source}{n}", d) for d in range(1, len(tokens) + 1)]
         drafts.append(Draft(tokens, keys, [estimate(k, f) for k, f in zip(keys, shares)], shares))
     return drafts

@@ -9,7 +9,7 @@ from typing import Optional
 import mlx.core as mx
 
 from ..drafting.beam_search import beam_search
-from ..drafting.cost import SIZES, CostCurve, cached_curve, machine_key
+from ..drafting.cost import SIZES, CostCurve, cached_curve, machine_key, mark_stale
 from .prefill import prefill
 from .types import ReDrafter
 
@@ -67,12 +67,52 @@ def measure(redrafter, batch_size: int, beam_shape: Optional[tuple] = None, repe
     return CostCurve(list(sizes), seconds, times[len(sizes)] if len(times) > len(sizes) else 0.0)
 
 
+def curve_key(redrafter: ReDrafter, batch_size: int) -> str:
+    return f"{machine_key()}|model {redrafter.identity}|{redrafter.base.dtype}|batch {batch_size}"
+
+
 def cost_curve(redrafter: ReDrafter, batch_size: int, beam_shape: Optional[tuple] = None, refresh: bool = False) -> CostCurve:
     """The cached curve for this machine, model, dtype and batch size, with
     the beam search's cost for ``beam_shape`` and this drafter; measured
     when missing (or unreadable) and whenever ``refresh``."""
-    key = f"{machine_key()}|model {redrafter.identity}|{redrafter.base.dtype}|batch {batch_size}"
+    key = curve_key(redrafter, batch_size)
     draft_key = None
     if beam_shape and redrafter.drafter is not None:
         draft_key = f"{key}|drafter {redrafter.drafter_identity}|beams {'x'.join(map(str, beam_shape))}"
     return cached_curve(key, draft_key, lambda sizes: measure(redrafter, batch_size, beam_shape, sizes=sizes), refresh)
+
+
+def forget_curve(redrafter: ReDrafter, batch_size: int) -> None:
+    """Mark the cached curve of this batch size stale: its next use measures it again."""
+    mark_stale(curve_key(redrafter, batch_size))
+
+
+class DriftCheck:
+    """Whether real steps still follow a cost curve.
+
+    Each step's wall seconds over the seconds the curve gave it are kept as
+    a running ratio per range of node counts. Real steps also pay host work,
+    so the ratio sits a little above 1 and a little higher for small trees.
+    The curve has drifted when steps run well below it (it was measured on
+    a busier machine), far above it, or when the ranges disagree (its shape
+    is wrong, which misleads the node budget)."""
+
+    BOUNDS = (2, 5, 10)  # node counts per row up to 2, 3-5, 6-10, more
+    LOW, HIGH, SHAPE = 0.75, 2.0, 1.4  # tolerated ratios, and between ranges
+    SEEN = 8  # steps a range needs before it counts
+    MEMORY = 0.9
+
+    def __init__(self):
+        self.ratios, self.counts = {}, {}
+
+    def add(self, nodes: int, seconds: float, predicted: float) -> None:
+        bucket = sum(nodes > b for b in self.BOUNDS)
+        ratio, past = seconds / predicted, self.ratios.get(bucket)
+        self.ratios[bucket] = ratio if past is None else self.MEMORY * past + (1 - self.MEMORY) * ratio
+        self.counts[bucket] = self.counts.get(bucket, 0) + 1
+
+    def drifted(self) -> bool:
+        seen = [r for b, r in self.ratios.items() if self.counts[b] >= self.SEEN]
+        if not seen:
+            return False
+        return min(seen) < self.LOW or max(seen) > self.HIGH or max(seen) / min(seen) > self.SHAPE

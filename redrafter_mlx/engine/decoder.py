@@ -10,8 +10,14 @@ accepted tokens and the next beams; the tree is then built on the host from
 them and the row's context, and the accepted path's keys and values are
 moved into place (only those out of place, lazily: the copy runs with the
 next pass).
+
+When drafting does not pay, a step is plain decoding (the speculator's
+``plain`` mode), and plain steps are pipelined as mlx-lm pipelines its loop:
+the pass that feeds this step's token is built and started before this
+step's token is read, so that the host's work overlaps the device's.
 """
 
+import time
 from typing import Iterator, Optional, Sequence
 
 import mlx.core as mx
@@ -29,7 +35,7 @@ from .prefill import PREFILL_STEP_SIZE, check_prompts, prefill
 from .profile import StepProfile
 from .rows import RowTracker
 from .sampling import greedy
-from .types import Chooser, ReDrafter, StepOutput
+from .types import Chooser, ReDrafter, StepOutput, TokenHistory
 
 
 class Decoder:
@@ -45,7 +51,10 @@ class Decoder:
     choose sees ``TokenHistory.rows`` = the ids given to ``join``.
     cost_batch_sizes: batch sizes whose cost curves size the trees; a step
     of B rows uses the smallest one >= B (else the largest). Each is
-    measured on first use and cached on disk (``calibrate.cost_curve``).
+    measured on first use and cached on disk (``calibrate.cost_curve``),
+    and kept true: a curve real steps stopped following is measured again
+    (``_check_curve``). cost_curve: one ``CostCurve`` for every batch size,
+    used as it is (benchmarks, which must not measure while they time).
     profile: a ``StepProfile`` to time each phase (extra synchronisations).
     """
 
@@ -59,15 +68,22 @@ class Decoder:
         prefill_step_size: int = PREFILL_STEP_SIZE,
         profile: Optional[StepProfile] = None,
         cost_batch_sizes: Sequence[int] = (1,),
+        cost_curve=None,
     ):
         self.redrafter, self.draft, self.choose = redrafter, draft, choose
         self.prefill_step_size, self.profile = prefill_step_size, profile
         self.cost_batch_sizes = sorted(cost_batch_sizes)
+        self.fixed_curve = cost_curve
         self.costs = {}
         self.tracker = RowTracker([], 0, eos_token_ids)
-        self.speculator = Speculator(draft, redrafter.drafter is not None, redrafter.acceptance, redrafter.datastore)
+        self.speculator = Speculator(draft, redrafter.drafter is not None, redrafter.acceptance, redrafter.datastore, redrafter.answers)
         self.layout = self.cache = self.rnn = None
         self.leaving = set()
+        # A plain pass issued ahead: (chosen tokens (B,), hidden (B, hidden_size)),
+        # lazy, for the rows in batch order; its fed tokens are committed.
+        self.ahead = None
+        self.drift: dict = {}  # batch size of a curve -> DriftCheck of the steps sized by it
+        self.stale: set = set()  # curves that drifted: measured again at the next join
 
     @property
     def rows(self) -> list:
@@ -84,16 +100,39 @@ class Decoder:
         """The cost curve a step of this many rows is sized by (None with a fixed max_nodes)."""
         if self.draft.max_nodes is not None:
             return None
-        size = next((b for b in self.cost_batch_sizes if b >= batch_size), self.cost_batch_sizes[-1])
+        if self.fixed_curve is not None:
+            return self.fixed_curve
+        size = self.curve_size(batch_size)
         if size not in self.costs:
             shape = self.draft.search_shape(self.redrafter.drafter) if self.redrafter.drafter else None
-            self.costs[size] = calibrate.cost_curve(self.redrafter, size, shape)
+            self.costs[size] = calibrate.cost_curve(self.redrafter, size, shape, refresh=size in self.stale)
+            self.stale.discard(size)
+            self.drift[size] = calibrate.DriftCheck()
         return self.costs[size]
+
+    def curve_size(self, batch_size: int) -> int:
+        return next((b for b in self.cost_batch_sizes if b >= batch_size), self.cost_batch_sizes[-1])
+
+    def _check_curve(self, nodes: int, seconds: float) -> None:
+        """Compare the step just run with its curve; a curve that drifted is
+        dropped from the disk cache now, and measured again at the next
+        join (between requests) or by the next process."""
+        if self.speculator.pending is None or self.fixed_curve is not None:
+            return
+        size = self.curve_size(len(self.tracker.rows))
+        check = self.drift.get(size)
+        if check is None or size in self.stale:
+            return
+        check.add(nodes, seconds, self.speculator.pending[1])
+        if check.drifted():
+            self.stale.add(size)
+            calibrate.forget_curve(self.redrafter, size)
 
     def join(self, prompts: Sequence[Sequence[int]], max_tokens, ids: Optional[Sequence[int]] = None, prompt_caches=None) -> list[StepOutput]:
         """Prefill prompts and add them to the batch; returns each one's
-        first token. max_tokens: one for all, or one per prompt. ids: each
-        prompt's index in the caller's input list (default 0, 1, ...)."""
+        first token, in order and last (before them: the tokens of running
+        rows whose plain pass had run ahead). max_tokens: one for all, or one per prompt.
+        ids: each prompt's index in the caller's input list (default 0, 1, ...)."""
         base = self.redrafter.base
         if self.profile is not None:
             self.profile.restart()
@@ -103,9 +142,13 @@ class Decoder:
         for c in prompt_caches or ():
             if c is not None:
                 c.check(self.redrafter.identity, base.num_layers)
+        ready = self._resolve_ahead()
+        for size in self.stale:
+            self.costs.pop(size, None)  # measured again on its next use, before the step's clock starts
         joining = [self.tracker.add(p, m, i) for p, m, i in zip(prompts, limits, ids)]
-        for r in joining:
-            self.speculator.track(r, self.tracker.context[r])
+        is_sampled = getattr(self.choose, "is_sampled", None)
+        for r, i in zip(joining, ids):
+            self.speculator.track(r, self.tracker.context[r], bool(is_sampled and is_sampled(i)))
         layout, cache, hidden, logits = prefill(base, prompts, self.prefill_step_size, prompt_caches)
         first = self.choose(logits, self.tracker.history(rows=joining))[:, 0]
         # Joining a running batch, the new rows draft as the batch does.
@@ -122,7 +165,7 @@ class Decoder:
             if self.rnn is not None:
                 self.rnn = [np.concatenate([a, b]) for a, b in zip(self.rnn, rnn)]
         self.tracker.rows += joining
-        return self._finished(self.tracker.emit([[t] for t in np.array(first).tolist()], rows=joining))
+        return ready + self._finished(self.tracker.emit([[t] for t in np.array(first).tolist()], rows=joining))
 
     def leave(self, rows: Sequence[int]) -> None:
         """Take prompts out of the batch before the next step."""
@@ -139,17 +182,20 @@ class Decoder:
         keep = self.tracker.keep([r for r in self.tracker.rows if r not in self.leaving])
         self.leaving = set()
         for r in gone:
+            if self.redrafter.answers is not None and self.tracker.produced[r]:
+                self.redrafter.answers.add(self.tracker.context[r][-self.tracker.produced[r] :])
             self.tracker.forget(r)
             self.speculator.drop(r)
         if keep is None:
             return
         if not keep:
-            self.layout = self.cache = self.rnn = None
+            self.layout = self.cache = self.rnn = self.ahead = None
             return
         trim = self.layout.filter(keep)
         for c in self.cache:
             c.filter(mx.array(keep), trim)
         self.rnn = None if self.rnn is None else [a[keep] for a in self.rnn]
+        self.ahead = None if self.ahead is None else tuple(a[mx.array(keep)] for a in self.ahead)
 
     def prompt_cache(self, row: int) -> tuple[list, list, list]:
         """(tokens, keys, values) the batch holds for one prompt: its
@@ -168,8 +214,12 @@ class Decoder:
         tracker, base, profile = self.tracker, self.redrafter.base, self.profile
         if not tracker.rows:
             return []
+        cost = self.cost(len(tracker.rows))  # measured on first use, before the step's clock starts
+        tic = time.perf_counter()
+        if self.ahead is not None or self.speculator.mode == "plain":
+            return self._finished(self._plain_step(tic, cost))
         roots = [tracker.context[r][-1] for r in tracker.rows]
-        trees = self.speculator.trees(tracker.rows, roots, *(self.rnn or (None, None)), cost=self.cost(len(roots)))
+        trees = self.speculator.trees(tracker.rows, roots, *(self.rnn or (None, None)), cost=cost)
         tree = pack(trees)
         if profile is not None:
             profile.lap("host")
@@ -198,13 +248,72 @@ class Decoder:
         if profile is not None:
             profile.lap("commit", [c.state_arrays() for c in self.cache])
             profile.steps += 1
-        self.speculator.observe(trees, path, num_accepted)
+        seconds = time.perf_counter() - tic
+        self.speculator.observe(trees, path, num_accepted, seconds)
+        self._check_curve(max(tree.num_nodes), seconds)
         self.layout.commit(num_accepted + 1)
         tokens = np.array(step.tokens)
         outputs = tracker.emit(
             [tokens[i, : n + 1].tolist() for i, n in enumerate(num_accepted)], num_accepted.tolist(), tree.num_nodes
         )
         return self._finished(outputs)
+
+    def _plain_pass(self, tokens: mx.array, ahead: bool):
+        """Feed one token per row (B, 1), commit it, and choose the next:
+        (tokens (B,), hidden (B, hidden_size)), lazy. ``ahead``: the fed
+        tokens are not yet in the rows' contexts on the host (their
+        positions are one further)."""
+        batch = tokens.shape[0]
+        depths = mx.zeros((batch, 1), mx.int32)
+        mask = mx.ones((batch, 1, 1), mx.bool_)
+        self.layout.begin_tree(depths, mask)
+        hidden, logits = self.redrafter.base(tokens, self.cache)
+        root_only, none = np.zeros((batch, 1), np.int64), np.zeros(batch, np.int64)
+        for c in self.cache:  # rows shorter than the longest get their token moved to their end
+            c.commit_path(root_only, none)
+        self.layout.commit(none + 1)
+        tracker = self.tracker
+        history = TokenHistory([tracker.ids[r] for r in tracker.rows], [tracker.context[r] for r in tracker.rows], tokens, mask, depths + int(ahead))
+        return self.choose(logits, history)[:, 0], hidden[:, 0]
+
+    def _plain_step(self, tic: float, cost) -> list[StepOutput]:
+        """A step with nothing drafted: the token after each row's root, from
+        the pass issued ahead by the last step when there is one. While the
+        speculator stays plain, the next pass is issued before this one's
+        token is read (unless the token choice reads the tokens themselves,
+        as a repetition penalty does)."""
+        tracker, profile = self.tracker, self.profile
+        roots = [tracker.context[r][-1] for r in tracker.rows]
+        trees = self.speculator.trees(tracker.rows, roots, None, None, cost=cost, plain=True)
+        if self.ahead is None:
+            token, hidden = self._plain_pass(mx.array([[r] for r in roots], mx.int32), ahead=False)
+        else:
+            (token, hidden), self.ahead = self.ahead, None
+        reads_tokens = getattr(self.choose, "reads_tokens", lambda: True)()
+        if self.speculator.mode == "plain" and not reads_tokens and profile is None:
+            self.ahead = self._plain_pass(token[:, None], ahead=True)
+            mx.async_eval(*self.ahead)
+        rnn = self._search(hidden, token) if self.speculator.use_rnn() else None
+        mx.eval(token, rnn)  # the step's one synchronisation
+        if profile is not None:
+            profile.lap("verification")
+            profile.steps += 1
+        self.rnn = None if rnn is None else [np.array(a) for a in rnn]
+        batch = len(roots)
+        zeros, seconds = np.zeros(batch, np.int64), time.perf_counter() - tic
+        self.speculator.observe(trees, zeros[:, None], zeros, seconds)
+        return tracker.emit([[t] for t in np.array(token).tolist()], [0] * batch, [1] * batch)
+
+    def _resolve_ahead(self) -> list[StepOutput]:
+        """Read the pass issued ahead, if any (prompts are about to join the
+        batch): the tokens it chose, as this step's outputs."""
+        if self.ahead is None or not self.tracker.rows:
+            self.ahead = None
+            return []
+        (token, _), self.ahead = self.ahead, None
+        going_on = [(r, t) for r, t in zip(self.tracker.rows, np.array(token).tolist()) if r not in self.leaving]
+        rows = [r for r, _ in going_on]
+        return self._finished(self.tracker.emit([[t] for _, t in going_on], [0] * len(rows), [1] * len(rows), rows=rows))
 
 
 def generate_steps(
@@ -219,6 +328,7 @@ def generate_steps(
     profile: Optional[StepProfile] = None,
     row_ids: Optional[Sequence[int]] = None,
     prompt_caches: Optional[Sequence] = None,
+    cost_curve=None,
 ) -> Iterator[list[StepOutput]]:
     """Generate for a batch of tokenized prompts; yields, after the prefill
     and after each verification step, one ``StepOutput`` per active row.
@@ -234,7 +344,9 @@ def generate_steps(
     keys and values are computed (the last token's are not yet).
 
     ``profile``: a ``StepProfile`` that each phase's seconds are added to
-    (for benchmarks; it costs extra synchronisations).
+    (for benchmarks; it costs extra synchronisations). ``cost_curve``: a
+    fixed ``CostCurve`` to size trees by (benchmarks; None: this machine's,
+    measured and kept true by the engine).
     """
     if max_tokens < 0:
         raise UserError(f"max tokens must be at least 0, got {max_tokens}")
@@ -243,7 +355,7 @@ def generate_steps(
         return
     decoder = Decoder(
         redrafter, draft or DraftSettings(), choose, eos_token_ids,
-        prefill_step_size=prefill_step_size, profile=profile, cost_batch_sizes=(len(prompts),),
+        prefill_step_size=prefill_step_size, profile=profile, cost_batch_sizes=(len(prompts),), cost_curve=cost_curve,
     )
     outputs = decoder.join(prompts, max_tokens, row_ids, prompt_caches)
     while outputs:

@@ -62,6 +62,14 @@ def greedy(logits: mx.array, history: TokenHistory) -> mx.array:
     return mx.argmax(logits, axis=-1)
 
 
+# What the engine may ask a chooser, besides calling it: whether a prompt is
+# sampled (its drafts are judged apart), and whether the choice reads the
+# history's tokens (then a plain step cannot be issued before the last
+# token is known). A chooser without them is taken as greedy and as reading.
+greedy.is_sampled = lambda row: False
+greedy.reads_tokens = lambda: False
+
+
 def row_seed(seed: int, index: int) -> int:
     """The seed of the prompt at ``index`` of an input list (a batch, a
     prompts file) sampled with ``seed``: a 64-bit mix of both (splitmix64's
@@ -197,6 +205,8 @@ def make_chooser(settings: SamplingSettings) -> Chooser:
         seeds = [seed_of(r) for r in history.rows]
         return mx.argmax(logprobs.reshape(batch, nodes, vocab) / settings.temp + noise_at(seeds, positions, vocab), axis=-1)
 
+    choose.is_sampled = lambda row: settings.temp > 0
+    choose.reads_tokens = lambda: settings.repetition_penalty is not None
     return choose
 
 
@@ -214,4 +224,6 @@ def chooser_per_prompt(choosers: dict) -> Chooser:
             chosen.append(choosers[row](logits[i : i + 1], TokenHistory([0], [history.context[i]], *nodes)))
         return mx.concatenate(chosen)
 
+    choose.is_sampled = lambda row: getattr(choosers[row], "is_sampled", lambda _: False)(0)
+    choose.reads_tokens = lambda: any(getattr(c, "reads_tokens", lambda: True)() for c in choosers.values())
     return choose

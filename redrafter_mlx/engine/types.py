@@ -7,6 +7,7 @@ from typing import Callable, Optional
 import mlx.core as mx
 import numpy as np
 
+from ..drafting.answers import AnswerStore
 from ..drafting.budget import AcceptanceStats
 from ..drafting.datastore import Datastore
 from ..drafting.drafter import Drafter
@@ -22,6 +23,9 @@ class ReDrafter:
     acceptance: what this pair's runs so far had accepted, per draft source
     and depth; each run starts from it (``drafting.speculator.Speculator``).
     datastore: the drafter's datastore, if it has one.
+    answers: a store of the answers this process produced, which steps also
+    draft from (``drafting.answers``; None: none). Every finished row's
+    answer joins it.
     generation_config: the sampling settings the model's folder recommends
     (its ``generation_config.json``; empty when it has none).
     """
@@ -32,6 +36,7 @@ class ReDrafter:
     drafter_identity: str = ""
     acceptance: AcceptanceStats = field(default_factory=AcceptanceStats, repr=False, compare=False)
     datastore: Optional[Datastore] = field(default=None, repr=False, compare=False)
+    answers: Optional[AnswerStore] = field(default=None, repr=False, compare=False)
     generation_config: dict = field(default_factory=dict, repr=False, compare=False)
 
 

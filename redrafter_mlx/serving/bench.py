@@ -1,11 +1,12 @@
 """Benchmark: autoregressive decoding against ReDrafter on the same prompts,
 in the same process, alternating the two so that machine drift hits both.
 
-Batch size 1 uses mlx-lm's own generation loop as the baseline; larger
-batches use this project's batched autoregressive loop (same cache). Both
-draw sampled tokens with ReDrafter's own chooser (its noise is keyed by
-seed and position), so a sampled baseline emits exactly the tokens the
-seeded ReDrafter run emits, and the two are timed on the same text.
+The baseline is mlx-lm's own generation loop at batch 1 and its own
+``BatchGenerator`` for greedy batches. Sampled batches use this project's
+batched plain decoding (same cache). Sampled baselines draw with
+ReDrafter's own chooser (its noise is keyed by seed and position), so a
+sampled baseline emits exactly the tokens the seeded ReDrafter run emits,
+and the two are timed on the same text.
 """
 
 import platform
@@ -15,7 +16,7 @@ from dataclasses import dataclass, field, replace
 from typing import Callable, Optional
 
 import mlx.core as mx
-from mlx_lm.generate import generate_step
+from mlx_lm.generate import BatchGenerator, generate_step
 
 from ..blas import blas_name
 from ..drafting.settings import DraftSettings
@@ -68,20 +69,24 @@ class Config:
 
 def parse_configs(text: str) -> list[Config]:
     """Comma-separated: ``auto`` (the default settings), ``lookup`` (context
-    lookup only, nodes by cost), ``rnn:WxL`` (the RNN's WxL beams, all
-    verified: the paper's method), ``both:WxL`` (those plus one lookup
-    continuation of L - 1 tokens, all verified)."""
+    lookup only, nodes by cost), ``nodes:K`` (the defaults' drafts, K nodes
+    verified every step: tokens per step at a budget, which carries over to
+    other machines), ``rnn:WxL`` (the RNN's WxL beams, all verified: the
+    paper's method), ``both:WxL`` (those plus one lookup continuation of
+    L - 1 tokens, all verified)."""
     configs = []
     for name in (n.strip() for n in text.split(",") if n.strip()):
         kind, _, shape = name.partition(":")
         if kind in ("auto", "lookup") and not shape:
             draft = DraftSettings()
+        elif kind == "nodes" and shape.isdigit():
+            draft = DraftSettings(max_nodes=int(shape))
         elif kind in ("rnn", "both") and shape.count("x") == 1 and all(p.isdigit() for p in shape.split("x")):
             draft = DraftSettings.rnn_only(*map(int, shape.split("x")))
             if kind == "both":
                 draft = replace(draft, lookup=True, lookup_length=draft.beam_length - 1, max_nodes=draft.max_nodes + draft.beam_length - 1)
         else:
-            raise UserError(f"unknown bench configuration {name!r}; use auto, lookup, rnn:WxL or both:WxL")
+            raise UserError(f"unknown bench configuration {name!r}; use auto, lookup, nodes:K, rnn:WxL or both:WxL")
         configs.append(Config(name, draft))
     if not configs:
         raise UserError("no bench configuration given")
@@ -93,11 +98,17 @@ class ConfigResult:
     name: str
     redrafter_tps: list = field(default_factory=list)  # per batch and repeat
     baseline_tps: list = field(default_factory=list)
+    baseline_runs: dict = field(default_factory=dict)  # batch index -> plain decoding's tokens/s per repeat
     speedups: dict = field(default_factory=dict)  # batch index -> one speed-up per repeat
     counts: dict = field(default_factory=dict)  # batch index -> [steps, tokens emitted by steps, nodes, tokens], over repeats
     profile: StepProfile = field(default_factory=StepProfile)  # from extra profiled runs
     peak_memory_gb: float = 0.0
     mismatches: int = 0  # outputs that differ from the baseline's
+
+    def plain_spread(self) -> Optional[list]:
+        """[min, max] of plain decoding's runs of a batch over their median (None with one repeat)."""
+        ratios = [r / statistics.median(v) for v in self.baseline_runs.values() if len(v) > 1 for r in v]
+        return [min(ratios), max(ratios)] if ratios else None
 
     def summary(self) -> dict:
         spent = {phase: t for phase, t in self.profile.seconds.items() if phase != "prefill"}
@@ -114,6 +125,8 @@ class ConfigResult:
             "speedup_min": min(per_batch),
             "speedup_max": max(per_batch),
             "speedups": per_batch,
+            # Plain decoding against itself: each repeat of a batch over the median of its repeats.
+            "plain_spread": self.plain_spread(),
             "speedup_runs": list(self.speedups.values()),
             "tokens_per_step": step_tokens / steps if steps else 0.0,
             "nodes_per_step": step_nodes / steps if steps else 0.0,
@@ -157,6 +170,8 @@ def baseline_run(redrafter: ReDrafter, prompts: list, max_tokens: int, choose: C
                 break
             tokens.append(token)
         outputs = [tokens]
+    elif not getattr(choose, "is_sampled", lambda row: True)(0):
+        outputs = mlx_lm_batch(redrafter.base.model, prompts, max_tokens, eos)
     else:
         outputs = [[] for _ in prompts]
         for step in autoregressive_steps(redrafter.base, prompts, max_tokens=max_tokens, choose=choose, eos_token_ids=eos):
@@ -165,11 +180,25 @@ def baseline_run(redrafter: ReDrafter, prompts: list, max_tokens: int, choose: C
     return Run(outputs, time.perf_counter() - tic, peak_memory_gb=mx.get_peak_memory() / 1e9)
 
 
-def redrafter_run(redrafter, prompts, max_tokens, choose, eos, config: Config, profile=None) -> Run:
+def mlx_lm_batch(model, prompts: list, max_tokens: int, eos: list) -> list:
+    """Greedy batched decoding by mlx-lm's own ``BatchGenerator``: each
+    prompt's tokens, without the end-of-sequence token."""
+    generator = BatchGenerator(model, stop_tokens=[[t] for t in eos], completion_batch_size=len(prompts), prefill_batch_size=len(prompts))
+    uids = generator.insert(prompts, [max_tokens] * len(prompts))
+    outputs = {uid: [] for uid in uids}
+    while responses := generator.next_generated():
+        for r in responses:
+            if r.finish_reason != "stop":
+                outputs[r.uid].append(r.token)
+    generator.close()
+    return [outputs[uid] for uid in uids]
+
+
+def redrafter_run(redrafter, prompts, max_tokens, choose, eos, config: Config, profile=None, curve=None) -> Run:
     mx.reset_peak_memory()
     outputs, steps, step_tokens, step_nodes = [[] for _ in prompts], 0, 0, 0
     tic = time.perf_counter()
-    for step in generate_steps(redrafter, prompts, max_tokens=max_tokens, draft=config.draft, choose=choose, eos_token_ids=eos, profile=profile):
+    for step in generate_steps(redrafter, prompts, max_tokens=max_tokens, draft=config.draft, choose=choose, eos_token_ids=eos, profile=profile, cost_curve=curve):
         for out in step:
             outputs[out.row] += out.tokens
             if out.num_accepted is not None:
@@ -190,6 +219,7 @@ def run_benchmark(
     choose: Chooser,
     eos: list,
     progress: Optional[Callable[[int], None]] = None,
+    curve=None,
 ) -> list[ConfigResult]:
     """Time every configuration against the baseline on every batch of
     prompts.
@@ -200,6 +230,8 @@ def run_benchmark(
     drafting, verification and acceptance (their syncs would distort the
     timed runs, so they are not among them). A configuration's runs share
     one acceptance history, as the requests of a running chat or server do.
+    ``curve``: the cost curve every run sizes its trees by (None: the
+    engine's own, which it may measure again between runs).
     """
     batches = [prompts[i : i + batch_size] for i in range(0, len(prompts), batch_size)]
     results = [ConfigResult(c.name) for c in configs]
@@ -213,15 +245,16 @@ def run_benchmark(
     baseline_run(redrafter, batches[0], 8, choose, eos)
     profiled = batches[:: -(-len(batches) // PROFILED_BATCHES)]
     for c, r in zip(configs, results):
-        redrafter_run(used[c.name], batches[0], 8, choose, eos, c)
+        redrafter_run(used[c.name], batches[0], 8, choose, eos, c, curve=curve)
         for batch in profiled:
-            redrafter_run(used[c.name], batch, max_tokens, choose, eos, c, profile=r.profile)
+            redrafter_run(used[c.name], batch, max_tokens, choose, eos, c, profile=r.profile, curve=curve)
     for _ in range(repeats):
         for b, batch in enumerate(batches):
             baseline = baseline_run(redrafter, batch, max_tokens, choose, eos)
             for c, r in zip(configs, results):
-                run = redrafter_run(used[c.name], batch, max_tokens, choose, eos, c)
+                run = redrafter_run(used[c.name], batch, max_tokens, choose, eos, c, curve=curve)
                 r.baseline_tps.append(baseline.tokens_per_second)
+                r.baseline_runs.setdefault(b, []).append(baseline.tokens_per_second)
                 r.redrafter_tps.append(run.tokens_per_second)
                 r.speedups.setdefault(b, []).append(run.tokens_per_second / baseline.tokens_per_second)
                 counts = r.counts.setdefault(b, [0, 0, 0, 0])

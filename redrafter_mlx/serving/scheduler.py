@@ -163,10 +163,11 @@ class Scheduler:
         outputs = self.decoder.join(
             [t.request.prompt for t in tickets], [t.request.max_tokens for t in tickets], [t.id for t in tickets], caches
         )
-        for t, c, out in zip(tickets, caches, outputs):
+        joined = outputs[len(outputs) - len(tickets) :]  # before them: tokens of running rows that were ready
+        for t, out in zip(tickets, joined):
             t.row = out.row
             self.active[out.row] = t
-        self._deliver(outputs, {out.row: c.reusable(t.request.prompt) if c else 0 for t, c, out in zip(tickets, caches, outputs)})
+        self._deliver(outputs, {out.row: c.reusable(t.request.prompt) if c else 0 for t, c, out in zip(tickets, caches, joined)})
 
     def _deliver(self, outputs: list, cached: Optional[dict] = None) -> None:
         for out in outputs:

@@ -123,7 +123,7 @@ def test_datastore_drafts_join_the_tree_and_are_judged_as_their_own_source():
     (tree,) = speculator.trees([0], [7], None, None)
     assert tree.tokens == [7, 8, 9]
     # 7 was followed by 8 three times (3 / 4, counting one unseen), then by 9 twice (2 / 4)
-    assert tree.judged[1] == [(("datastore1", 1), 0.75)] and tree.judged[2] == [(("datastore1", 2), 0.5)]
+    assert tree.judged[1] == [(("datastore1", 1, "greedy"), 0.75)] and tree.judged[2] == [(("datastore1", 2, "greedy"), 0.5)]
     off = Speculator(DraftSettings(max_nodes=8, lookup=False, datastore_beams=0), False, datastore=store)
     off.track(0, [3, 7])
     assert off.trees([0], [7], None, None)[0].tokens == [7]
@@ -147,7 +147,7 @@ def test_greedy_generation_with_a_datastore_is_plain_greedy_decoding():
         for step in generate_steps(redrafter, [prompt], max_tokens=64, draft=DraftSettings(beam_width=2, beam_length=4, lookup=False)):
             tokens += step[0].tokens
         assert tokens == want
-    assert sum(v for (source, _), v in runs[0].acceptance.accepted.items() if source.startswith("datastore")) > 0  # its drafts were verified and accepted
+    assert sum(v for (source, *_), v in runs[0].acceptance.accepted.items() if source.startswith("datastore")) > 0  # its drafts were verified and accepted
 
 
 def test_seeded_sampling_with_a_datastore_equals_plain_sampling():
@@ -168,7 +168,7 @@ def test_seeded_sampling_with_a_datastore_equals_plain_sampling():
         for out in step:
             got[out.row] += out.tokens
     assert got == plain
-    assert sum(v for (source, _), v in redrafter.acceptance.accepted.items() if source.startswith("datastore")) > 0
+    assert sum(v for (source, *_), v in redrafter.acceptance.accepted.items() if source.startswith("datastore")) > 0
 
 
 def test_a_required_datastore_that_is_missing_is_one_clear_error(tmp_path):

@@ -8,7 +8,7 @@ from conftest import tiny_drafter
 from redrafter_mlx.drafting.budget import AcceptanceStats
 from redrafter_mlx.drafting.cost import CostCurve
 from redrafter_mlx.drafting.settings import DraftSettings
-from redrafter_mlx.drafting.speculator import Speculator
+from redrafter_mlx.drafting.speculator import WINDOW, Speculator
 
 
 def beams_for(root, drafted, probs):
@@ -41,14 +41,19 @@ def test_fixed_budget_keeps_the_most_likely_nodes():
     assert tree.tokens == [2, 7, 1]  # the two depth-1 nodes beat the deeper ones
 
 
-def run_steps(speculator, root, beams, probs, cost, accepted, steps=20):
+def run_steps(speculator, root, beams, probs, cost, accepted, steps=20, wall=1.0):
     """Steps whose trees all accept ``accepted`` drafted tokens (the first
-    nodes after the root, whatever they hold)."""
+    nodes after the root, whatever they hold), each taking ``wall`` times
+    the seconds the cost curve gives it. Returns the modes the steps ran in."""
+    modes = []
     for _ in range(steps):
+        modes.append(speculator.mode)
         with_rnn = speculator.use_rnn()
         trees = speculator.trees([0], [root], *((beams, probs) if with_rnn else (None, None)), cost=cost)
         n = min(accepted, trees[0].num_nodes - 1)
-        speculator.observe(trees, np.arange(n + 1)[None], np.array([n]))
+        seconds = wall * speculator.pending[1] if speculator.pending else None
+        speculator.observe(trees, np.arange(n + 1)[None], np.array([n]), seconds)
+    return modes
 
 
 def test_the_rnn_is_turned_off_when_its_search_costs_more_than_it_brings_and_retried():
@@ -58,8 +63,8 @@ def test_the_rnn_is_turned_off_when_its_search_costs_more_than_it_brings_and_ret
     beams, probs = beams_for(3, [[9, 9]], 0.9)
     run_steps(speculator, 3, beams, probs, flat, accepted=2)
     assert not speculator.rnn_on
-    runs = [speculator.use_rnn() for _ in range(32)]
-    assert 1 <= sum(runs) <= 3  # retried now and then
+    later = run_steps(speculator, 3, beams, probs, flat, accepted=2, steps=32)
+    assert 1 <= later.count("rnn") <= 3  # retried now and then
 
     cheap = CostCurve([1, 32], [1.0, 1.0], draft_seconds=0.0)
     speculator = tracking(DraftSettings(beam_width=1, beam_length=3), True, [[1, 2]])
@@ -79,9 +84,27 @@ def test_the_rnn_is_turned_off_when_its_drafts_are_accepted_less_than_estimated(
         with_rnn = speculator.use_rnn()
         (tree,) = speculator.trees([0], [3], *((beams, probs) if with_rnn else (None, None)), cost=cost)
         accepted = [i for i, t in enumerate(tree.tokens) if i and t == 4][:1]  # the lookup's 4, never the RNN's 9
-        speculator.observe([tree], np.array([[0] + accepted]), np.array([len(accepted)]))
+        speculator.observe([tree], np.array([[0] + accepted]), np.array([len(accepted)]), speculator.pending[1])
     assert not speculator.rnn_on
     assert speculator.rate("lookup") > speculator.rate("rnn")
+
+
+@pytest.mark.parametrize("estimates", ["high", "honest"])
+def test_a_run_whose_drafts_are_not_accepted_turns_to_plain_decoding_and_tries_again(estimates):
+    """Nothing drafted is accepted and real steps cost 1.5 times the curve:
+    whether the estimates fall or stay high (a source whose prior claims
+    certainty), within a window of steps the run decodes plainly, and
+    tries drafting again now and then."""
+    cost = CostCurve([1, 2, 32], [1.0, 1.05, 2.0])
+    speculator = tracking(DraftSettings(), False, [[5, 6, 7, 5, 6, 7, 5, 6]])
+    if estimates == "high":
+        speculator.stats.priors = {("lookup2", d, "greedy"): (1.0, 1e9) for d in range(1, 20)}
+    modes = run_steps(speculator, 6, None, None, cost, accepted=0, steps=200, wall=1.5)
+    first_plain = modes.index("plain")
+    assert first_plain <= WINDOW
+    assert modes[100:].count("plain") >= 70 and "lookup" in modes[100:]
+    (tree,) = speculator.trees([0], [6], None, None, cost=cost, plain=True)
+    assert tree.num_nodes == 1
 
 
 def test_a_run_starts_from_what_earlier_runs_accepted():
@@ -91,8 +114,9 @@ def test_a_run_starts_from_what_earlier_runs_accepted():
     cost = CostCurve([1, 2, 32], [1.0, 1.5, 3.0])
     beams, probs = beams_for(3, [[9, 9]], 0.9)
     history = AcceptanceStats()
-    run_steps(Speculator(DraftSettings(beam_width=1, beam_length=3, lookup=False), True, history), 3, beams, probs, cost, accepted=0)
-    assert history.predicted[("rnn", 1)] > 0 and history.accepted[("rnn", 1)] == 0
+    # A fixed budget, so that every step verifies the beams (with a budget the run soon decodes plainly).
+    run_steps(Speculator(DraftSettings(beam_width=1, beam_length=3, lookup=False, max_nodes=2), True, history), 3, beams, probs, None, accepted=0)
+    assert history.predicted[("rnn", 1, "greedy")] > 0 and history.accepted[("rnn", 1, "greedy")] == 0
 
     def first_tree(history):
         speculator = Speculator(DraftSettings(beam_width=1, beam_length=3, lookup=False), True, history)

@@ -188,3 +188,39 @@ def test_a_step_synchronises_once(monkeypatch):
     for _ in range(5):
         decoder.step()
     assert len(calls) == 5
+
+
+@pytest.mark.parametrize("settings", [dict(temp=0.0), dict(temp=0.8, top_p=0.9), dict(temp=0.8, repetition_penalty=1.3)], ids=["greedy", "sampled", "penalty"])
+def test_plain_steps_run_ahead_and_equal_plain_decoding_with_rows_joining_and_leaving(settings):
+    """With nothing drafted (max_nodes 0), each step's pass is issued
+    before the last token is read (except when a repetition penalty must
+    read it); rows of different lengths, a row joining with a pass in
+    flight and rows finishing early all decode as plain decoding does."""
+    from redrafter_mlx.engine.autoregressive import autoregressive_steps
+    from redrafter_mlx.engine.sampling import SamplingSettings, make_chooser, row_seed
+
+    base = BaseModel(tiny_model("llama", seed=9))
+    prompts = [[5, 17, 42, 99, 3], [9, 8], [100, 101, 102, 1, 2, 3, 4]]
+    limits = [30, 12, 30]
+    choose = make_chooser(SamplingSettings(**settings, seed=5))
+    plain = [[] for _ in prompts]
+    for i, (prompt, limit) in enumerate(zip(prompts, limits)):
+        for step in autoregressive_steps(base, [prompt], max_tokens=limit, choose=make_chooser(SamplingSettings(**settings, row_seeds=[row_seed(5, i)]))):
+            plain[i] += step[0].tokens
+    decoder = Decoder(ReDrafter(base, None), DraftSettings(max_nodes=0), choose)
+    got, ahead = {}, []
+
+    def record(outputs):
+        for out in outputs:
+            got.setdefault(out.row, []).extend(out.tokens)
+
+    record(decoder.join(prompts[:2], limits[:2]))
+    for _ in range(5):
+        record(decoder.step())
+        ahead.append(decoder.ahead is not None)
+    record(decoder.join(prompts[2:], limits[2:], ids=[2]))
+    while decoder.rows:
+        record(decoder.step())
+        ahead.append(decoder.ahead is not None)
+    assert [got[i] for i in range(3)] == plain
+    assert any(ahead) == ("repetition_penalty" not in settings)
