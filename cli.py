@@ -17,6 +17,8 @@ import tempfile
 import redrafter_mlx  # noqa: F401  (preloads OpenBLAS before mlx.core)
 from redrafter_mlx.errors import UserError
 
+API_KEY_ENV = "REDRAFTER_MLX_API_KEY"
+
 # Options taken out because they measured no gain (bench/research/README.md);
 # given, they get one error line.
 REMOVED = {
@@ -224,18 +226,33 @@ def chat(args):
 
 
 def serve(args):
-    """Serve the model over an OpenAI-compatible HTTP API, batching concurrent requests."""
+    """Serve the model over the OpenAI and Anthropic HTTP APIs, batching concurrent requests."""
     from redrafter_mlx.serving.server import run_server
 
     draft, log = draft_settings(args), prompt_log(args)
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    if args.prompt_cache_mb < 0 or args.shutdown_timeout < 0 or args.keep_alive <= 0:
+        fail("--prompt-cache-mb and --shutdown-timeout take 0 or more, --keep-alive more than 0")
     sock = listen(args.host, args.port)
+    if api_key is None and not is_loopback(args.host):
+        print(f"warning: serving beyond this machine ({args.host}) with no API key: anyone who can reach it may use it (--api-key)", file=sys.stderr)
     redrafter, tokenizer = load_pair(args)
     redrafter.answers = answer_store(args.answer_store_mb)
     name = os.path.basename(args.model.rstrip("/")) if args.model else "SmolLM2-135M-Instruct"
     print("measuring this machine's verification cost (cached after the first time)...", file=sys.stderr)
     run_server(redrafter, tokenizer, draft, sock, name, max_batch=args.max_batch, max_tokens=args.max_tokens,
                cache_bytes=int(args.prompt_cache_mb * 2**20), max_body_bytes=args.max_body_bytes, prompt_log=log,
+               api_key=api_key, max_queue=args.max_queue, shutdown_timeout=args.shutdown_timeout, keep_alive=args.keep_alive,
                announce=lambda line: print(line, file=sys.stderr))
+
+
+def is_loopback(host: str) -> bool:
+    import ipaddress
+
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 def listen(host: str, port: int):
@@ -387,6 +404,10 @@ def build_parser() -> Parser:
     p.add_argument("--max-tokens", "-n", type=at_least(0), default=512, help="new tokens for a request that names no max_tokens (512)")
     p.add_argument("--prompt-cache-mb", type=float, default=1024, help="memory for finished requests' keys and values, reused by the next turn; 0 turns it off (1024)")
     p.add_argument("--max-body-bytes", type=at_least(1), default=4 << 20, help="largest request body accepted, 413 above (4 MiB)")
+    p.add_argument("--api-key", help=f"a key every route but /health then needs (Authorization: Bearer KEY or x-api-key: KEY); also read from ${API_KEY_ENV}")
+    p.add_argument("--max-queue", type=at_least(0), help="requests that may wait for a place in the batch; more get 429 with Retry-After (no limit)")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0, help="on SIGTERM, seconds running requests may finish before they are ended (30)")
+    p.add_argument("--keep-alive", type=float, default=5.0, help="seconds between keep-alive comments of a streamed answer that is waiting or prefilling (5)")
 
     p = command(bench, MODEL, DRAFTER, SAMPLING)
     p.add_argument("--prompts", metavar="FILE", help="JSONL prompts file (default: 8 built-in prompts)")

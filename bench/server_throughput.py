@@ -1,10 +1,11 @@
 """Server throughput and latency with 1, 4 and 8 concurrent clients:
-`redrafter-mlx serve` with its default drafting against the same server with
-speculation off (`--drafter none --no-lookup --max-nodes 0`: plain decoding
-through the same loop). Both servers run at once; each concurrency level is
-measured on one, then the other, alternating which goes first.
+`redrafter-mlx serve` against `mlx_lm.server` on the same weights (the model
+saved once as a float32 mlx-lm folder; OpenBLAS preloaded for both). Both
+servers run at once; each concurrency level is measured on one, then the
+other, alternating which goes first, ``--repeats`` times.
 
-    python3 bench/server_throughput.py --prompts data/prompts/dev.jsonl --requests 16 --max-tokens 128 --json bench/results/serving/server-throughput.json
+    python3 bench/server_throughput.py --prompts data/prompts/heldout.jsonl --requests 12 --max-tokens 128 \\
+        --json bench/results/serving/server-throughput-vs-mlx-lm.json
 
 Each level sends the same --requests prompts (the first of the file),
 greedy chat completions of --max-tokens, each client taking the next
@@ -21,17 +22,18 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from redrafter_mlx.prompts import read_prompts  # noqa: E402
-
-SERVERS = {"redrafter": [], "plain": ["--drafter", "none", "--no-lookup", "--max-nodes", "0"]}
+from redrafter_mlx.blas import OPENBLAS_PATHS  # noqa: E402
+from redrafter_mlx.serving.prompts import read_prompts  # noqa: E402
 
 
 def free_port() -> int:
@@ -40,12 +42,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(extra: list, max_batch: int, model) -> tuple:
+def export(model, folder: Path) -> str:
+    """The model (None: the embedded one) as a float32 mlx-lm folder."""
+    from mlx_lm.utils import save_config, save_model
+
+    from redrafter_mlx.loading.loader import load_base_model
+
+    if not (folder / "config.json").exists():
+        weights, tokenizer = load_base_model(model, "float32")
+        save_model(folder, weights)
+        save_config({k: v for k, v in vars(weights.args).items() if not k.startswith("_")}, folder / "config.json")
+        tokenizer._tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+def start(command: list, env: dict) -> tuple:
     port = free_port()
-    command = [sys.executable, "-m", "redrafter_mlx.cli", "serve", "--port", str(port), "--max-batch", str(max_batch), "--prompt-cache-mb", "0", *extra]
-    if model:
-        command += ["--model", model]
-    process = subprocess.Popen(command, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT), stderr=subprocess.DEVNULL)
+    process = subprocess.Popen(command + ["--port", str(port)], cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     while True:
         try:
@@ -54,14 +67,14 @@ def start(extra: list, max_batch: int, model) -> tuple:
         except httpx.TransportError:
             pass
         if process.poll() is not None:
-            sys.exit(f"server {' '.join(extra)} did not start")
+            sys.exit(f"{' '.join(command)} did not start")
         time.sleep(0.5)
 
 
 def level(url: str, prompts: list, clients: int, max_tokens: int) -> dict:
     def one(prompt):
         tic = time.perf_counter()
-        body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "temperature": 0}
+        body = {"model": "default", "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "temperature": 0}
         response = httpx.post(url + "/v1/chat/completions", json=body, timeout=3600).json()
         return time.perf_counter() - tic, response
 
@@ -70,13 +83,13 @@ def level(url: str, prompts: list, clients: int, max_tokens: int) -> dict:
         results = list(pool.map(one, prompts))
     wall = time.perf_counter() - tic
     tokens = sum(r["usage"]["completion_tokens"] for _, r in results)
-    steps = sum(r["redrafter"]["steps"] for _, r in results)
+    steps = sum(r.get("redrafter", {}).get("steps", 0) for _, r in results)
+    per_step = sum(r["redrafter"]["tokens_per_step"] * r["redrafter"]["steps"] for _, r in results if "redrafter" in r)
     return {
-        "wall_s": wall,
-        "completion_tokens": tokens,
         "tokens_per_s": tokens / wall,
         "median_latency_s": statistics.median(t for t, _ in results),
-        "tokens_per_step": sum(r["redrafter"]["tokens_per_step"] * r["redrafter"]["steps"] for _, r in results) / steps if steps else 0.0,
+        "completion_tokens": tokens,
+        "tokens_per_step": per_step / steps if steps else None,
         "texts": [r["choices"][0]["message"]["content"] for _, r in results],
     }
 
@@ -84,31 +97,47 @@ def level(url: str, prompts: list, clients: int, max_tokens: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--prompts", required=True)
-    parser.add_argument("--requests", type=int, default=16)
+    parser.add_argument("--requests", type=int, default=12)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--clients", default="1,4,8")
-    parser.add_argument("--model")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--model", help="model to serve (default: the embedded one)")
+    parser.add_argument("--folder", default=os.path.join(tempfile.gettempdir(), "redrafter-bench-model"), help="where the float32 mlx-lm folder is saved")
     parser.add_argument("--json")
     args = parser.parse_args()
-    prompts = read_prompts(args.prompts)[: args.requests]
+    prompts = [p if isinstance(p, str) else p[-1]["content"] for p in read_prompts(args.prompts)][: args.requests]
     levels = [int(c) for c in args.clients.split(",")]
-    servers = {name: start(extra, max(levels), args.model) for name, extra in SERVERS.items()}
+    folder = export(args.model, Path(args.folder))
+    blas = next((p for p in OPENBLAS_PATHS if os.path.exists(p)), None)
+    env = dict(os.environ, PYTHONPATH=ROOT, **({"LD_PRELOAD": blas} if blas else {}))
+    commands = {
+        "redrafter": [sys.executable, "-m", "redrafter_mlx.cli", "serve", "--model", folder, "--max-batch", str(max(levels)), "--prompt-cache-mb", "0", "--answer-store-mb", "0"],
+        "mlx_lm": [sys.executable, "-m", "mlx_lm.server", "--model", folder, "--max-tokens", str(args.max_tokens)],
+    }
+    servers = {name: start(command, env) for name, command in commands.items()}
     rows = []
     try:
         for i, clients in enumerate(levels):
-            level(servers["plain"][1], prompts[:2], clients, 8)  # warm-up
-            level(servers["redrafter"][1], prompts[:2], clients, 8)
-            order = list(SERVERS) if i % 2 == 0 else list(SERVERS)[::-1]
-            result = {name: level(servers[name][1], prompts, clients, args.max_tokens) for name in order}
-            same = result["redrafter"].pop("texts") == result["plain"].pop("texts")
-            row = {"clients": clients, **{f"{k}_{name}": v for name in SERVERS for k, v in result[name].items()}}
-            row["speedup"] = row["tokens_per_s_redrafter"] / row["tokens_per_s_plain"]
-            row["same_text"] = same
+            for name in servers:
+                level(servers[name][1], prompts[:2], clients, 8)  # warm-up
+            runs = {name: [] for name in servers}
+            for r in range(args.repeats):
+                order = list(servers) if (i + r) % 2 == 0 else list(servers)[::-1]
+                for name in order:
+                    runs[name].append(level(servers[name][1], prompts, clients, args.max_tokens))
+            row = {"clients": clients}
+            for name, results in runs.items():
+                row[f"tokens_per_s_{name}"] = statistics.median(x["tokens_per_s"] for x in results)
+                row[f"median_latency_s_{name}"] = statistics.median(x["median_latency_s"] for x in results)
+            row["tokens_per_step_redrafter"] = statistics.median(x["tokens_per_step"] for x in runs["redrafter"])
+            row["ratio"] = row["tokens_per_s_redrafter"] / row["tokens_per_s_mlx_lm"]
+            row["ratio_runs"] = [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(runs["redrafter"], runs["mlx_lm"])]
+            row["same_text"] = all(a["texts"] == b["texts"] for a, b in zip(runs["redrafter"], runs["mlx_lm"]))
             rows.append(row)
             print(
-                f"{clients} clients: ReDrafter {row['tokens_per_s_redrafter']:.1f} tokens/s (median latency {row['median_latency_s_redrafter']:.1f} s, "
-                f"{row['tokens_per_step_redrafter']:.2f} tokens/step), plain {row['tokens_per_s_plain']:.1f} tokens/s "
-                f"(median latency {row['median_latency_s_plain']:.1f} s): {row['speedup']:.2f}x; same text: {same}",
+                f"{clients} clients: redrafter-mlx {row['tokens_per_s_redrafter']:.1f} tokens/s (median latency {row['median_latency_s_redrafter']:.1f} s, "
+                f"{row['tokens_per_step_redrafter']:.2f} tokens/step), mlx_lm.server {row['tokens_per_s_mlx_lm']:.1f} tokens/s "
+                f"(median latency {row['median_latency_s_mlx_lm']:.1f} s): {row['ratio']:.2f}x; same text: {row['same_text']}",
                 flush=True,
             )
     finally:
@@ -116,7 +145,8 @@ def main() -> None:
             process.send_signal(signal.SIGINT)
             process.wait(30)
     if args.json:
-        summary = {"command": " ".join(sys.argv), "machine": f"{platform.machine()} {platform.system()}, float32 on the CPU unless Metal", "levels": rows}
+        summary = {"command": " ".join(sys.argv), "machine": f"{platform.machine()} {platform.system()}, float32 on the CPU unless Metal, OpenBLAS for both",
+                   "levels": rows}
         with open(args.json, "w") as f:
             f.write(json.dumps(summary, indent=1) + "\n")
 

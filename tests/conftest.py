@@ -182,6 +182,48 @@ def run_cli(*args, input=None, timeout=600, env=None):
     )
 
 
+def start_server(*args) -> tuple:
+    """Start ``redrafter-mlx serve`` from this checkout with ``args`` on a
+    free loopback port; returns (process, url, port) once /health answers."""
+    import socket
+    import subprocess
+    import time
+
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    process = subprocess.Popen(
+        [sys.executable, "-m", "redrafter_mlx.cli", "serve", "--port", str(port), *map(str, args)],
+        cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 300
+    while True:
+        try:
+            if httpx.get(f"{url}/health").status_code == 200:
+                return process, url, port
+        except httpx.TransportError:
+            pass
+        if process.poll() is not None or time.time() > deadline:
+            process.kill()
+            pytest.fail(f"the server did not start: {process.communicate()[1]}")
+        time.sleep(0.2)
+
+
+def stop_server(process) -> None:
+    """Ctrl-C the server, killed if it has not exited 30 s later."""
+    import signal
+
+    if process.poll() is None:
+        process.send_signal(signal.SIGINT)
+        try:
+            process.wait(30)
+        finally:
+            process.kill()
+
+
 CHAT_VOCAB = 512
 CHAT_PROMPT = "pick a word"
 CHAT_SETTINGS = [dict(temp=1.0, top_k=4), dict(temp=0.7, top_p=0.9)]
@@ -284,3 +326,62 @@ def smol_drafter(tmp_path_factory):
     path = tmp_path_factory.mktemp("drafters") / "smol-random"
     save_drafter(drafter, str(path))
     return str(path)
+
+
+TOOL_TEMPLATE = (
+    "{%- if tools %}<|im_start|> system {% for t in tools %}{{ t.function.name }} {% endfor %}<|im_end|> {% endif -%}"
+    "{%- for m in messages -%}"
+    "{%- if m.role == 'tool' -%}<|im_start|> tool <tool_response> {{ m.content }} </tool_response> <|im_end|> "
+    "{%- elif m.tool_calls -%}<|im_start|> assistant "
+    "{%- for tool_call in m.tool_calls %}{% if tool_call.function is defined %}{% set tool_call = tool_call.function %}{% endif %}"
+    " <tool_call> {\"name\": \"{{ tool_call.name }}\", \"arguments\": {{ tool_call.arguments | tojson }} } </tool_call>{% endfor %} <|im_end|> "
+    "{%- else -%}<|im_start|> {{ m.role }} {{ m.content }} <|im_end|> {% endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{%- if messages[-1].role == 'tool' -%}<|im_start|> answer {%- else -%}<|im_start|> assistant {%- endif -%}{%- endif -%}"
+)
+# A scripted model: each word is followed by the next of its chain, whatever
+# came before (a bigram model), so its answers are known in advance.
+TOOL_CHAINS = [
+    ["assistant", "<tool_call>", '{"name":', '"get_weather",', '"arguments":', '{"city":', '"Paris"}', "}", "</tool_call>", "<|im_end|>"],
+    ["answer", "It", "is", "sunny.", "<|im_end|>"],
+    ["loop", "again", "and", "loop"],
+]
+TOOL_WORDS = ["<unk>", "<|im_start|>", "<|im_end|>", "user", "system", "tool", "<tool_response>", "</tool_response>", "Weather", "in", "Paris?", "get_weather"]
+
+
+@pytest.fixture(scope="session")
+def tool_model(tmp_path_factory):
+    """A model folder whose chat template has a tool-call syntax (the family
+    mlx-lm's ``json_tools`` parser reads) and whose scripted weights answer
+    a user with a call of ``get_weather`` for Paris and a tool's result
+    with "It is sunny.". Its context is 256 tokens."""
+    from mlx_lm.models import llama as llama_module
+    from mlx_lm.utils import save_config, save_model
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = list(dict.fromkeys(TOOL_WORDS + [w for chain in TOOL_CHAINS for w in chain]))
+    words += [f"w{i}" for i in range(64 - len(words))]
+    size = len(words)
+    index = {w: i for i, w in enumerate(words)}
+    follows = {index[a]: index[b] for chain in TOOL_CHAINS for a, b in zip(chain, chain[1:])}
+    args = llama_module.ModelArgs(model_type="llama", hidden_size=size, num_hidden_layers=1, intermediate_size=16, num_attention_heads=4,
+                                  num_key_value_heads=4, rms_norm_eps=1e-5, vocab_size=size, max_position_embeddings=256, tie_word_embeddings=False)
+    model = llama_module.Model(args)
+    layer = model.model.layers[0]
+    layer.self_attn.o_proj.weight = mx.zeros_like(layer.self_attn.o_proj.weight)
+    layer.mlp.down_proj.weight = mx.zeros_like(layer.mlp.down_proj.weight)
+    model.model.embed_tokens.weight = mx.eye(size)
+    head = np.zeros((size, size), np.float32)
+    for a in range(size):
+        head[follows.get(a, index["<|im_end|>"]), a] = 2.0
+    model.lm_head.weight = mx.array(head)
+    mx.eval(model.parameters())
+    folder = tmp_path_factory.mktemp("tool-model")
+    save_model(folder, model)
+    save_config(dict(vars(args)), folder / "config.json")
+    tokenizer = Tokenizer(models.WordLevel(index, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<|im_start|>", eos_token="<|im_end|>",
+                            chat_template=TOOL_TEMPLATE).save_pretrained(folder)
+    return str(folder)

@@ -150,11 +150,12 @@ class Decoder:
         for r, i in zip(joining, ids):
             self.speculator.track(r, self.tracker.context[r], bool(is_sampled and is_sampled(i)))
         layout, cache, hidden, logits = prefill(base, prompts, self.prefill_step_size, prompt_caches)
-        first = self.choose(logits, self.tracker.history(rows=joining))[:, 0]
+        first, logprobs = self._choose(logits, self.tracker.history(rows=joining))
+        first = first[:, 0]
         # Joining a running batch, the new rows draft as the batch does.
         with_rnn = self.speculator.use_rnn() if self.layout is None else self.rnn is not None
         rnn = self._search(hidden, first) if with_rnn else None
-        mx.eval(first, rnn, [c.state_arrays() for c in cache])
+        mx.eval(first, rnn, logprobs, [c.state_arrays() for c in cache])
         if self.profile is not None:
             self.profile.lap("prefill")
         rnn = None if rnn is None else [np.array(a) for a in rnn]
@@ -165,7 +166,8 @@ class Decoder:
             if self.rnn is not None:
                 self.rnn = [np.concatenate([a, b]) for a, b in zip(self.rnn, rnn)]
         self.tracker.rows += joining
-        return ready + self._finished(self.tracker.emit([[t] for t in np.array(first).tolist()], rows=joining))
+        at_root = np.zeros((len(joining), 1), np.int64)
+        return ready + self._finished(self.tracker.emit([[t] for t in np.array(first).tolist()], rows=joining, logprobs=logprob_lists(logprobs, at_root)))
 
     def leave(self, rows: Sequence[int]) -> None:
         """Take prompts out of the batch before the next step."""
@@ -195,7 +197,10 @@ class Decoder:
         for c in self.cache:
             c.filter(mx.array(keep), trim)
         self.rnn = None if self.rnn is None else [a[keep] for a in self.rnn]
-        self.ahead = None if self.ahead is None else tuple(a[mx.array(keep)] for a in self.ahead)
+        if self.ahead is not None:
+            kept = mx.array(keep)
+            token, hidden, logprobs = self.ahead
+            self.ahead = token[kept], hidden[kept], None if logprobs is None else tuple(a[kept] for a in logprobs)
 
     def prompt_cache(self, row: int) -> tuple[list, list, list]:
         """(tokens, keys, values) the batch holds for one prompt: its
@@ -228,14 +233,14 @@ class Decoder:
         hidden, logits = base(tree.tokens, self.cache)
         if profile is not None:
             profile.lap("verification", hidden, logits)
-        choices = self.choose(logits, tracker.history(tree))
+        choices, logprobs = self._choose(logits, tracker.history(tree))
         step = accept(tree.beams, tree.unpack, choices, hidden)
         if profile is not None:
             profile.lap("acceptance", step.tokens, step.path)
         rnn = self._search(step.next_hidden, step.next_token) if self.speculator.use_rnn() else None
         # The step's one host synchronisation: what was accepted, and the
         # next step's beams, drafted from where this step's path ends.
-        mx.eval(step.num_accepted, step.tokens, step.path, rnn, [c.state_arrays() for c in self.cache])
+        mx.eval(step.num_accepted, step.tokens, step.path, rnn, logprobs, [c.state_arrays() for c in self.cache])
         if profile is not None:
             profile.lap("drafting")
         self.rnn = None if rnn is None else [np.array(a) for a in rnn]
@@ -254,13 +259,25 @@ class Decoder:
         self.layout.commit(num_accepted + 1)
         tokens = np.array(step.tokens)
         outputs = tracker.emit(
-            [tokens[i, : n + 1].tolist() for i, n in enumerate(num_accepted)], num_accepted.tolist(), tree.num_nodes
+            [tokens[i, : n + 1].tolist() for i, n in enumerate(num_accepted)], num_accepted.tolist(), tree.num_nodes,
+            logprobs=logprob_lists(logprobs, path),
         )
         return self._finished(outputs)
 
+    def _choose(self, logits: mx.array, history: TokenHistory):
+        """The choice at every node (B, N) and, when the chooser reports
+        log-probabilities, its (chosen, top ids, top log-probabilities)
+        arrays (else None)."""
+        wanted = getattr(self.choose, "logprobs_wanted", lambda: None)()
+        if wanted is None:
+            return self.choose(logits, history), None
+        choices, *logprobs = self.choose(logits, history, logprobs=wanted)
+        return choices, tuple(logprobs)
+
     def _plain_pass(self, tokens: mx.array, ahead: bool):
         """Feed one token per row (B, 1), commit it, and choose the next:
-        (tokens (B,), hidden (B, hidden_size)), lazy. ``ahead``: the fed
+        (tokens (B,), hidden (B, hidden_size), log-probability arrays or
+        None), lazy. ``ahead``: the fed
         tokens are not yet in the rows' contexts on the host (their
         positions are one further)."""
         batch = tokens.shape[0]
@@ -274,7 +291,8 @@ class Decoder:
         self.layout.commit(none + 1)
         tracker = self.tracker
         history = TokenHistory([tracker.ids[r] for r in tracker.rows], [tracker.context[r] for r in tracker.rows], tokens, mask, depths + int(ahead))
-        return self.choose(logits, history)[:, 0], hidden[:, 0]
+        choices, logprobs = self._choose(logits, history)
+        return choices[:, 0], hidden[:, 0], logprobs
 
     def _plain_step(self, tic: float, cost) -> list[StepOutput]:
         """A step with nothing drafted: the token after each row's root, from
@@ -286,15 +304,15 @@ class Decoder:
         roots = [tracker.context[r][-1] for r in tracker.rows]
         trees = self.speculator.trees(tracker.rows, roots, None, None, cost=cost, plain=True)
         if self.ahead is None:
-            token, hidden = self._plain_pass(mx.array([[r] for r in roots], mx.int32), ahead=False)
+            token, hidden, logprobs = self._plain_pass(mx.array([[r] for r in roots], mx.int32), ahead=False)
         else:
-            (token, hidden), self.ahead = self.ahead, None
+            (token, hidden, logprobs), self.ahead = self.ahead, None
         reads_tokens = getattr(self.choose, "reads_tokens", lambda: True)()
         if self.speculator.mode == "plain" and not reads_tokens and profile is None:
             self.ahead = self._plain_pass(token[:, None], ahead=True)
-            mx.async_eval(*self.ahead)
+            mx.async_eval(self.ahead)
         rnn = self._search(hidden, token) if self.speculator.use_rnn() else None
-        mx.eval(token, rnn)  # the step's one synchronisation
+        mx.eval(token, rnn, logprobs)  # the step's one synchronisation
         if profile is not None:
             profile.lap("verification")
             profile.steps += 1
@@ -302,7 +320,7 @@ class Decoder:
         batch = len(roots)
         zeros, seconds = np.zeros(batch, np.int64), time.perf_counter() - tic
         self.speculator.observe(trees, zeros[:, None], zeros, seconds)
-        return tracker.emit([[t] for t in np.array(token).tolist()], [0] * batch, [1] * batch)
+        return tracker.emit([[t] for t in np.array(token).tolist()], [0] * batch, [1] * batch, logprobs=logprob_lists(logprobs, zeros[:, None]))
 
     def _resolve_ahead(self) -> list[StepOutput]:
         """Read the pass issued ahead, if any (prompts are about to join the
@@ -310,10 +328,26 @@ class Decoder:
         if self.ahead is None or not self.tracker.rows:
             self.ahead = None
             return []
-        (token, _), self.ahead = self.ahead, None
-        going_on = [(r, t) for r, t in zip(self.tracker.rows, np.array(token).tolist()) if r not in self.leaving]
-        rows = [r for r, _ in going_on]
-        return self._finished(self.tracker.emit([[t] for _, t in going_on], [0] * len(rows), [1] * len(rows), rows=rows))
+        (token, _, logprobs), self.ahead = self.ahead, None
+        at_root = np.zeros((len(self.tracker.rows), 1), np.int64)
+        lists = logprob_lists(logprobs, at_root) or [None] * len(self.tracker.rows)
+        going_on = [(r, t, lp) for r, t, lp in zip(self.tracker.rows, np.array(token).tolist(), lists) if r not in self.leaving]
+        rows = [r for r, _, _ in going_on]
+        per_row = None if logprobs is None else [lp for _, _, lp in going_on]
+        return self._finished(self.tracker.emit([[t] for _, t, _ in going_on], [0] * len(rows), [1] * len(rows), rows=rows, logprobs=per_row))
+
+
+def logprob_lists(logprobs: Optional[tuple], nodes: np.ndarray) -> Optional[list]:
+    """Per row, ``StepOutput.logprobs`` of the choices at its nodes (B, M)
+    (an accepted path's, the root first), from evaluated (chosen, top ids,
+    top log-probabilities) arrays; None when there are none."""
+    if logprobs is None:
+        return None
+    chosen, ids, values = (np.array(a) for a in logprobs)
+    return [
+        [(float(chosen[b, n]), list(zip(ids[b, n].tolist(), values[b, n].tolist()))) for n in row]
+        for b, row in enumerate(nodes.tolist())
+    ]
 
 
 def generate_steps(

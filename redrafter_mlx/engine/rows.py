@@ -44,9 +44,11 @@ class RowTracker:
             return TokenHistory(ids, context)
         return TokenHistory(ids, context, tree.tokens, tree.mask, tree.depths)
 
-    def emit(self, tokens_per_row: list, num_accepted: Optional[list] = None, num_nodes: Optional[list] = None, rows: Optional[list] = None) -> list[StepOutput]:
+    def emit(self, tokens_per_row: list, num_accepted: Optional[list] = None, num_nodes: Optional[list] = None, rows: Optional[list] = None,
+             logprobs: Optional[list] = None) -> list[StepOutput]:
         """Record each row's new tokens (rows: default the active rows), cut
-        at EOS and max_tokens."""
+        at EOS and max_tokens; ``logprobs``, per row, one entry per token
+        (``StepOutput.logprobs``), cut alike."""
         outputs = []
         for i, (row, tokens) in enumerate(zip(self.rows if rows is None else rows, tokens_per_row)):
             finish = None
@@ -61,7 +63,8 @@ class RowTracker:
             self.produced[row] += len(tokens)
             accepted = None if num_accepted is None else num_accepted[i]
             nodes = None if num_nodes is None else num_nodes[i]
-            outputs.append(StepOutput(row, tokens, accepted, finish, num_nodes=nodes))
+            row_logprobs = None if logprobs is None else logprobs[i][: len(tokens)]
+            outputs.append(StepOutput(row, tokens, accepted, finish, num_nodes=nodes, logprobs=row_logprobs))
         return outputs
 
     def keep_unfinished(self, outputs: list[StepOutput]) -> Optional[list[int]]:

@@ -26,8 +26,23 @@ from .types import Chooser, TokenHistory
 
 @dataclass
 class SamplingSettings:
-    """mlx-lm's sampling controls. temp 0 is greedy (argmax of the processed
-    logits); top_p 1, top_k 0, min_p 0 turn those filters off."""
+    """mlx-lm's sampling controls and logits processors. temp 0 is greedy
+    (argmax of the processed logits); top_p 1, top_k 0, min_p 0 and the
+    penalties at 0 (repetition: None) turn those off.
+
+    Processors, in mlx-lm's order: logit_bias; repetition_penalty
+    (multiplicative, sign-aware), presence_penalty (subtracted once per
+    token present) and frequency_penalty (subtracted per occurrence), each
+    over the last ``*_context_size`` tokens before the token chosen.
+    Filters, in mlx-lm's order: top-p, min-p, XTC (with probability
+    ``xtc_probability``, drop every token above ``xtc_threshold`` but the
+    least likely of them, never ``xtc_special_tokens``), top-k.
+    forced: token ids that must open the answer, from sequence position
+    ``forced_at`` (the prompt's length) on: a processor that leaves only
+    them (a tool call that must begin).
+    logprobs: None, or report each chosen token's log-probability (after
+    the processors, before temperature and filters, as mlx-lm defines it)
+    with this many most likely alternatives (0-20)."""
 
     temp: float = 0.0
     top_p: float = 1.0
@@ -35,39 +50,62 @@ class SamplingSettings:
     min_p: float = 0.0
     repetition_penalty: Optional[float] = None
     repetition_context_size: int = 20
+    presence_penalty: float = 0.0
+    presence_context_size: int = 20
+    frequency_penalty: float = 0.0
+    frequency_context_size: int = 20
+    xtc_probability: float = 0.0
+    xtc_threshold: float = 0.1
+    xtc_special_tokens: tuple = ()
     logit_bias: dict = field(default_factory=dict)
+    forced: tuple = ()
+    forced_at: int = 0
+    logprobs: Optional[int] = None
     seed: int = 0  # the prompt at index i of the input list samples with row_seed(seed, i)
     row_seeds: Optional[list] = None  # a seed per prompt of the input list, instead of `seed`
 
     def __post_init__(self):
-        if self.temp < 0:
-            raise UserError(f"temperature must be >= 0, got {self.temp}")
-        if not 0 < self.top_p <= 1:
-            raise UserError(f"top-p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise UserError(f"top-k must be >= 0, got {self.top_k}")
-        if not 0 <= self.min_p <= 1:
-            raise UserError(f"min-p must be in [0, 1], got {self.min_p}")
-        if self.repetition_penalty is not None and self.repetition_penalty <= 0:
-            raise UserError(f"repetition penalty must be > 0, got {self.repetition_penalty}")
-        if self.repetition_context_size < 1:
-            raise UserError(f"repetition context size must be >= 1, got {self.repetition_context_size}")
+        checks = [
+            (self.temp >= 0, f"temperature must be >= 0, got {self.temp}"),
+            (0 < self.top_p <= 1, f"top-p must be in (0, 1], got {self.top_p}"),
+            (self.top_k >= 0, f"top-k must be >= 0, got {self.top_k}"),
+            (0 <= self.min_p <= 1, f"min-p must be in [0, 1], got {self.min_p}"),
+            (self.repetition_penalty is None or self.repetition_penalty > 0, f"repetition penalty must be > 0, got {self.repetition_penalty}"),
+            (0 <= self.xtc_probability <= 1, f"XTC probability must be in [0, 1], got {self.xtc_probability}"),
+            (0 <= self.xtc_threshold <= 0.5, f"XTC threshold must be in [0, 0.5], got {self.xtc_threshold}"),
+            (self.logprobs is None or 0 <= self.logprobs <= 20, f"top logprobs must be in [0, 20], got {self.logprobs}"),
+        ]
+        for name in ("repetition", "presence", "frequency"):
+            size = getattr(self, f"{name}_context_size")
+            checks.append((size >= 1, f"{name} context size must be >= 1, got {size}"))
+        for ok, message in checks:
+            if not ok:
+                raise UserError(message)
+
+    @property
+    def reads_tokens(self) -> bool:
+        """Whether a choice depends on the tokens before it (a penalty)."""
+        return self.repetition_penalty is not None or bool(self.presence_penalty) or bool(self.frequency_penalty)
 
 
 MASK64 = (1 << 64) - 1
 
 
-def greedy(logits: mx.array, history: TokenHistory) -> mx.array:
+def greedy(logits: mx.array, history: TokenHistory, logprobs: Optional[int] = None):
     """The default chooser: the argmax of the raw logits, (B, N, V) -> (B, N)."""
-    return mx.argmax(logits, axis=-1)
+    choice = mx.argmax(logits, axis=-1)
+    return choice if logprobs is None else (choice, *top_logprobs(logits.astype(mx.float32), choice, logprobs))
 
 
 # What the engine may ask a chooser, besides calling it: whether a prompt is
-# sampled (its drafts are judged apart), and whether the choice reads the
-# history's tokens (then a plain step cannot be issued before the last
-# token is known). A chooser without them is taken as greedy and as reading.
+# sampled (its drafts are judged apart), whether the choice reads the
+# history's tokens (then a plain step cannot be issued before the last token
+# is known), and how many alternatives' log-probabilities to report (None:
+# none; then ``choose(..., logprobs=K)`` returns them too). A chooser without
+# them is taken as greedy, as reading, and as reporting none.
 greedy.is_sampled = lambda row: False
 greedy.reads_tokens = lambda: False
+greedy.logprobs_wanted = lambda: None
 
 
 def row_seed(seed: int, index: int) -> int:
@@ -146,15 +184,72 @@ def apply_repetition_penalty(logits: mx.array, windows: mx.array, penalty: float
     return mx.put_along_axis(logits, index, penalised, axis=-1)
 
 
+def window_counts(windows: mx.array, vocab: int) -> mx.array:
+    """How often each token occurs in each node's window: (B, N, K) with -1
+    for no token -> (B, N, vocab)."""
+    batch, nodes, size = windows.shape
+    flat = windows.reshape(-1, size)
+    rows = mx.broadcast_to(mx.arange(flat.shape[0])[:, None], flat.shape)
+    counts = mx.zeros((flat.shape[0], vocab), mx.float32).at[rows, mx.maximum(flat, 0)].add((flat >= 0).astype(mx.float32))
+    return counts.reshape(batch, nodes, vocab)
+
+
+def xtc_coins(seeds: list, positions: np.ndarray) -> mx.array:
+    """A uniform in (0, 1) per row's seed and position (B, N): XTC's coin,
+    drawn like the Gumbel noise (apart from it), so that sampling with XTC
+    stays a pure function of seed and position."""
+    low = mx.array([s & 0xFFFFFFFF for s in seeds], mx.uint32)
+    high = mx.array([(s >> 32) & 0xFFFFFFFF for s in seeds], mx.uint32)
+    key = _mix(_mix(low + mx.array(0x7F4A7C15, mx.uint32)) ^ high)[:, None]
+    return open_uniform(_mix(key ^ _mix(mx.array(positions, mx.uint32) * mx.array(0x27D4EB2F, mx.uint32) + 7)))
+
+
+def apply_xtc(logprobs: mx.array, coins: mx.array, settings: SamplingSettings) -> mx.array:
+    """mlx-lm's XTC on (R, V) log-probabilities with one coin per row (R,)."""
+    probs = mx.softmax(logprobs, axis=-1)
+    least = mx.where(probs > settings.xtc_threshold, probs, mx.inf).min(axis=-1, keepdims=True)
+    mask = probs > least
+    if settings.xtc_special_tokens:
+        mask[..., list(settings.xtc_special_tokens)] = False
+    return mx.where(coins[:, None] > settings.xtc_probability, logprobs, mx.where(mask, -mx.inf, logprobs))
+
+
+def top_logprobs(logits: mx.array, choice: mx.array, count: int) -> tuple:
+    """(chosen (B, N), top ids (B, N, count), top log-probabilities (B, N, count)):
+    the log-softmax of ``logits`` at the chosen tokens and its ``count``
+    largest entries, best first."""
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    chosen = mx.take_along_axis(logprobs, choice[..., None], axis=-1)[..., 0]
+    if count == 0:
+        empty = mx.zeros((*choice.shape, 0))
+        return chosen, empty.astype(mx.int32), empty
+    top = mx.argpartition(-logprobs, kth=count - 1, axis=-1)[..., :count]
+    values = mx.take_along_axis(logprobs, top, axis=-1)
+    order = mx.argsort(-values, axis=-1)
+    return chosen, mx.take_along_axis(top, order, axis=-1), mx.take_along_axis(values, order, axis=-1)
+
+
+def positions_of(history: TokenHistory, shape: tuple) -> np.ndarray:
+    """(B, N) sequence position of the token chosen after each node."""
+    positions = np.array([len(c) for c in history.context], np.int64)[:, None]
+    if history.node_depths is not None:
+        positions = positions + np.array(history.node_depths)
+    return np.broadcast_to(positions, shape)
+
+
 def make_chooser(settings: SamplingSettings) -> Chooser:
-    """A function (logits (B, N, V), history) -> (B, N) token ids."""
+    """A function (logits (B, N, V), history) -> (B, N) token ids; with
+    ``logprobs=K`` it also returns ``top_logprobs``'s arrays for K
+    alternatives."""
     filters = []
     if settings.top_p < 1:
-        filters.append(lambda x: apply_top_p(x, settings.top_p))
+        filters.append(lambda x, coins: apply_top_p(x, settings.top_p))
     if settings.min_p > 0:
-        filters.append(lambda x: apply_min_p(x, settings.min_p))
+        filters.append(lambda x, coins: apply_min_p(x, settings.min_p))
+    if settings.xtc_probability > 0:
+        filters.append(lambda x, coins: apply_xtc(x, coins, settings))
     if settings.top_k > 0:
-        filters.append(lambda x: apply_top_k(x, settings.top_k))
+        filters.append(lambda x, coins: apply_top_k(x, settings.top_k))
     bias = None
     if settings.logit_bias:
         bias = (mx.array(list(settings.logit_bias)), mx.array(list(settings.logit_bias.values()), mx.float32))
@@ -182,31 +277,52 @@ def make_chooser(settings: SamplingSettings) -> Chooser:
             del noise[key]
         return mx.stack([noise[k] for k in keys]).reshape(*positions.shape, vocab)
 
-    def choose(logits: mx.array, history: TokenHistory) -> mx.array:
+    def process(logits: mx.array, history: TokenHistory, positions: np.ndarray) -> mx.array:
+        """The logits processors, in mlx-lm's order."""
         logits = logits.astype(mx.float32)
         if bias is not None:
             logits = logits.at[..., bias[0]].add(bias[1])
         if settings.repetition_penalty is not None:
             windows = history_windows(history, settings.repetition_context_size)
             logits = apply_repetition_penalty(logits, windows, settings.repetition_penalty)
-        if settings.temp == 0:
-            return mx.argmax(logits, axis=-1)
+        vocab = logits.shape[-1]
+        if settings.presence_penalty:
+            present = window_counts(history_windows(history, settings.presence_context_size), vocab) > 0
+            logits = logits - settings.presence_penalty * present
+        if settings.frequency_penalty:
+            logits = logits - settings.frequency_penalty * window_counts(history_windows(history, settings.frequency_context_size), vocab)
+        if settings.forced:
+            index = positions - settings.forced_at
+            inside = (index >= 0) & (index < len(settings.forced))
+            if inside.any():
+                forced = np.where(inside, np.array(settings.forced)[np.clip(index, 0, len(settings.forced) - 1)], -1)
+                forced = mx.array(forced, mx.int32)[..., None]
+                logits = mx.where((forced >= 0) & (mx.arange(vocab) != forced), -mx.inf, logits)
+        return logits
+
+    def choose(logits: mx.array, history: TokenHistory, logprobs: Optional[int] = None):
         batch, nodes, vocab = logits.shape
-        # Log-probabilities up to a per-node constant, which neither the
-        # filters (top-p divides by the total mass) nor the argmax see; the
-        # maximum is 0, so exp() cannot overflow. Cheaper than a logsumexp.
-        logprobs = (logits - logits.max(axis=-1, keepdims=True)).reshape(-1, vocab)
-        for apply_filter in filters:
-            logprobs = apply_filter(logprobs)
-        positions = np.array([len(c) for c in history.context], np.int64)[:, None]
-        if history.node_depths is not None:
-            positions = positions + np.array(history.node_depths)
-        positions = np.broadcast_to(positions, (batch, nodes))
-        seeds = [seed_of(r) for r in history.rows]
-        return mx.argmax(logprobs.reshape(batch, nodes, vocab) / settings.temp + noise_at(seeds, positions, vocab), axis=-1)
+        positions = positions_of(history, (batch, nodes))
+        logits = process(logits, history, positions)
+        if settings.temp == 0:
+            choice = mx.argmax(logits, axis=-1)
+        else:
+            # Log-probabilities up to a per-node constant, which neither the
+            # filters (top-p divides by the total mass) nor the argmax see; the
+            # maximum is 0, so exp() cannot overflow. Cheaper than a logsumexp.
+            filtered = (logits - logits.max(axis=-1, keepdims=True)).reshape(-1, vocab)
+            seeds = [seed_of(r) for r in history.rows]
+            coins = xtc_coins(seeds, positions).reshape(-1) if settings.xtc_probability > 0 else None
+            for apply_filter in filters:
+                filtered = apply_filter(filtered, coins)
+            choice = mx.argmax(filtered.reshape(batch, nodes, vocab) / settings.temp + noise_at(seeds, positions, vocab), axis=-1)
+        if logprobs is None:
+            return choice
+        return (choice, *top_logprobs(logits, choice, logprobs))
 
     choose.is_sampled = lambda row: settings.temp > 0
-    choose.reads_tokens = lambda: settings.repetition_penalty is not None
+    choose.reads_tokens = lambda: settings.reads_tokens
+    choose.logprobs_wanted = lambda: settings.logprobs
     return choose
 
 
@@ -217,13 +333,24 @@ def chooser_per_prompt(choosers: dict) -> Chooser:
     seeded prompt samples as it would alone). The dict may change between
     calls, as prompts join and leave."""
 
-    def choose(logits: mx.array, history: TokenHistory) -> mx.array:
+    def choose(logits: mx.array, history: TokenHistory, logprobs: Optional[int] = None):
         chosen = []
         for i, row in enumerate(history.rows):
             nodes = [None if a is None else a[i : i + 1] for a in (history.node_tokens, history.node_mask, history.node_depths)]
-            chosen.append(choosers[row](logits[i : i + 1], TokenHistory([0], [history.context[i]], *nodes)))
-        return mx.concatenate(chosen)
+            row_history = TokenHistory([0], [history.context[i]], *nodes)
+            if logprobs is None:
+                chosen.append(choosers[row](logits[i : i + 1], row_history))
+            else:
+                chosen.append(choosers[row](logits[i : i + 1], row_history, logprobs=logprobs))
+        if logprobs is None:
+            return mx.concatenate(chosen)
+        return tuple(mx.concatenate(parts) for parts in zip(*chosen))
+
+    def logprobs_wanted() -> Optional[int]:
+        wanted = [w for w in (getattr(c, "logprobs_wanted", lambda: None)() for c in choosers.values()) if w is not None]
+        return max(wanted) if wanted else None
 
     choose.is_sampled = lambda row: getattr(choosers[row], "is_sampled", lambda _: False)(0)
     choose.reads_tokens = lambda: any(getattr(c, "reads_tokens", lambda: True)() for c in choosers.values())
+    choose.logprobs_wanted = logprobs_wanted
     return choose

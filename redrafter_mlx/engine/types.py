@@ -77,6 +77,9 @@ class StepOutput:
         from which each token was chosen; only when asked for.
     num_nodes: tree nodes this step verified for the row, the root included
         (None for the first token).
+    logprobs: per token, (its log-probability, [(token id, log-probability)
+        of the most likely alternatives]), when the token choice reports
+        them (``SamplingSettings.logprobs``).
     """
 
     row: int
@@ -85,3 +88,4 @@ class StepOutput:
     finish_reason: Optional[str] = None
     hidden: Optional[np.ndarray] = None
     num_nodes: Optional[int] = None
+    logprobs: Optional[list] = None

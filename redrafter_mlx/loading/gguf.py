@@ -486,7 +486,21 @@ def gguf_tokenizer(meta: dict):
     )
     # Chat models end a turn with an end-of-turn token that may differ from EOS.
     stops = [i for i in (eos_id, special("eot")[1], special("eom")[1]) if i is not None]
-    return TokenizerWrapper(hf, detokenizer_class=detokenizer, eos_token_ids=stops)
+    return TokenizerWrapper(hf, detokenizer_class=detokenizer, eos_token_ids=stops, **tool_calling(hf))
+
+
+def tool_calling(hf) -> dict:
+    """The tool-call parser and markers mlx-lm would infer from a tokenizer's
+    chat template or vocabulary (as its own loader does for a model folder),
+    as ``TokenizerWrapper``'s arguments; none when no family is recognised."""
+    from mlx_lm import tokenizer_utils
+
+    infer = getattr(tokenizer_utils, "_infer_tool_parser", None)
+    family = infer(hf) if infer is not None else None
+    if family is None:
+        return {}
+    module = importlib.import_module(f"mlx_lm.tool_parsers.{family}")
+    return dict(tool_parser=module.parse_tool_call, tool_call_start=module.tool_call_start, tool_call_end=module.tool_call_end)
 
 
 def default_model_path() -> str:

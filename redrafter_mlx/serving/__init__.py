@@ -1,2 +1,2 @@
 """What users run: the text-level Python API, chat, prompts files, the
-OpenAI-compatible server and its scheduler, and the benchmark."""
+OpenAI and Anthropic HTTP APIs and their scheduler, and the benchmark."""

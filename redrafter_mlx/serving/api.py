@@ -53,12 +53,13 @@ class GenerationResponse:
     cached_tokens: int = 0
 
 
-def encode_prompt(tokenizer, prompt: Union[str, Sequence], chat_template: bool = True) -> list:
+def encode_prompt(tokenizer, prompt: Union[str, Sequence], chat_template: bool = True, template_options: Optional[dict] = None) -> list:
     """Token ids for a prompt, as mlx-lm's generate command makes them: for
     a user message (str), the chat template applied when the tokenizer has
     one (unless ``chat_template`` is False), else the text encoded as it is;
     a conversation (a list of ``{"role", "content"}``) always goes through
-    the chat template; token ids are used as they are."""
+    the chat template (with ``template_options``: its keyword arguments,
+    such as ``tools`` or ``enable_thinking``); token ids are used as they are."""
     if isinstance(prompt, str):
         use_template = chat_template and tokenizer.has_chat_template
         if not use_template:
@@ -69,7 +70,7 @@ def encode_prompt(tokenizer, prompt: Union[str, Sequence], chat_template: bool =
     if not tokenizer.has_chat_template:
         raise UserError("a conversation needs a chat template, and this model's tokenizer has none")
     try:
-        text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True, **(template_options or {}))
     except Exception as e:  # the template's own checks (roles, order)
         raise UserError(f"the chat template refused the conversation ({e})") from None
     return tokenizer.encode(text, add_special_tokens=False)

@@ -18,12 +18,15 @@ import threading
 from dataclasses import dataclass, field
 from typing import Optional
 
+import mlx.core as mx
+
 from ..drafting.settings import DraftSettings
 from ..engine.decoder import Decoder
 from ..engine.prompt_cache import PromptCache
 from ..engine.sampling import SamplingSettings, chooser_per_prompt, make_chooser
 from ..engine.types import ReDrafter
 from .cache_store import PromptCacheStore
+from .metrics import Metrics
 
 
 @dataclass
@@ -45,6 +48,7 @@ class Event:
         first). finish_reason: None while it goes on, "stop" or "length".
     cached_tokens: on the first event, prompt tokens taken from the cache.
     error: set (and nothing else) when the request failed.
+    logprobs: per token, as ``StepOutput.logprobs`` (when asked for).
     """
 
     tokens: list = field(default_factory=list)
@@ -53,6 +57,19 @@ class Event:
     finish_reason: Optional[str] = None
     cached_tokens: int = 0
     error: Optional[str] = None
+    logprobs: Optional[list] = None
+
+
+class Refused(Exception):
+    """A request the scheduler will not take: ``reason`` is "queue full" or
+    "shutting down"."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+END = object()  # wakes the engine thread to end every request (shutdown)
 
 
 class Ticket:
@@ -71,11 +88,16 @@ class Ticket:
 
 class Scheduler:
     """max_batch: requests decoded together (others wait their turn).
-    cache_bytes: memory for finished requests' prompt caches (0: none)."""
+    cache_bytes: memory for finished requests' prompt caches (0: none).
+    max_queue: requests that may wait at once (None: any number); more are
+    refused. metrics: a ``Metrics`` the engine adds its counts to."""
 
-    def __init__(self, redrafter: ReDrafter, eos_token_ids, draft: DraftSettings, max_batch: int = 8, cache_bytes: int = 0):
+    def __init__(self, redrafter: ReDrafter, eos_token_ids, draft: DraftSettings, max_batch: int = 8, cache_bytes: int = 0,
+                 max_queue: Optional[int] = None, metrics: Optional[Metrics] = None):
         self.redrafter, self.eos, self.draft = redrafter, eos_token_ids, draft
-        self.max_batch = max_batch
+        self.max_batch, self.max_queue = max_batch, max_queue
+        self.metrics = metrics or Metrics()
+        self.closed = False
         self.store = PromptCacheStore(cache_bytes)
         self.incoming: queue.Queue = queue.Queue()
         self.ids = itertools.count()
@@ -110,9 +132,26 @@ class Scheduler:
         self.thread.join()
 
     def submit(self, request: Request, loop: asyncio.AbstractEventLoop) -> Ticket:
+        """Queue a request; ``Refused`` when the queue is full or the server
+        is shutting down."""
+        if self.closed:
+            raise Refused("shutting down")
+        health = self.health()
+        if self.max_queue is not None and health["running"] + health["waiting"] >= self.max_batch + self.max_queue:
+            raise Refused("queue full")
         ticket = Ticket(next(self.ids), request, loop)
         self.incoming.put(ticket)
         return ticket
+
+    def close(self) -> None:
+        """Take no more requests (those queued and running go on)."""
+        self.closed = True
+
+    def end_all(self) -> None:
+        """End every request now, running or waiting, with a final event
+        (``finish_reason`` "length": the answer was cut short)."""
+        self.closed = True
+        self.incoming.put(END)
 
     def cancel(self, ticket: Ticket) -> None:
         """Stop a request (its client went away, or a stop string ended
@@ -141,7 +180,13 @@ class Scheduler:
                 except queue.Empty:
                     break
             if None in self.waiting:
+                # A plain step may still be computing ahead; the process may
+                # exit right after this thread does.
+                mx.synchronize()
                 return
+            if END in self.waiting:
+                self._end_all()
+                continue
             leaving = [row for row, t in self.active.items() if t.cancelled and row not in self.decoder.leaving]
             for row in leaving:  # a stop string ended it: the next turn may follow
                 self._remember(row)
@@ -156,8 +201,20 @@ class Scheduler:
             except Exception as e:  # one failure must not stop the server
                 self._fail(f"{type(e).__name__}: {e}", joining)
 
+    def _end_all(self) -> None:
+        for ticket in list(self.active.values()) + [t for t in self.waiting if t is not END]:
+            ticket.post(Event(finish_reason="length"))
+        self.active.clear()
+        self.choosers.clear()
+        self.waiting = []
+        self.decoder = self._new_decoder()
+
     def _join(self, tickets: list) -> None:
         caches = [self.store.find(t.request.prompt) for t in tickets]
+        for t, c in zip(tickets, caches):
+            if c is not None:
+                self.metrics.add("prompt_cache_hits_total")
+                self.metrics.add("prompt_cache_tokens_total", c.reusable(t.request.prompt))
         for t in tickets:
             self.choosers[t.id] = make_chooser(t.request.sampling)
         outputs = self.decoder.join(
@@ -179,7 +236,11 @@ class Scheduler:
                 del self.active[out.row]
                 del self.choosers[ticket.id]
             cached_tokens = cached.get(out.row, 0) if cached else 0
-            ticket.post(Event(out.tokens, out.num_accepted, out.num_nodes, out.finish_reason, cached_tokens))
+            if out.num_accepted is not None:
+                self.metrics.add("verification_steps_total")
+                self.metrics.add("step_tokens_total", out.num_accepted + 1)
+            self.metrics.add("completion_tokens_total", len(out.tokens))
+            ticket.post(Event(out.tokens, out.num_accepted, out.num_nodes, out.finish_reason, cached_tokens, logprobs=out.logprobs))
         for row in [r for r in self.active if r not in self.decoder.rows]:  # cancelled rows have left
             ticket = self.active.pop(row)
             self.choosers.pop(ticket.id, None)
@@ -191,6 +252,7 @@ class Scheduler:
     def _fail(self, message: str, joining: list) -> None:
         print(f"error: the engine failed a step ({message}); its requests were ended", file=sys.stderr)
         for ticket in set(self.active.values()) | set(joining):
+            self.metrics.add("errors_total")
             ticket.post(Event(error=message))
         self.active.clear()
         self.choosers.clear()

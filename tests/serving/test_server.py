@@ -3,16 +3,12 @@
 
 import json
 import os
-import signal
-import socket
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from conftest import ROOT, run_cli
+from conftest import run_cli, start_server, stop_server
 
 openai = pytest.importorskip("openai")
 MAX_BATCH = 4
@@ -20,43 +16,16 @@ BODY_LIMIT = 64 * 1024
 QUESTIONS = ["pick a word", "w5 w6 w7 pick", "a word w100 w200 w300 w9 w9", "w17"]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(chat_model, tmp_path_factory):
     model, drafter = chat_model[:2]
-    port = free_port()
     log = tmp_path_factory.mktemp("server") / "prompts.jsonl"
-    args = [
-        "serve", "--model", model, "--drafter", drafter, "--port", port, "--max-batch", MAX_BATCH, "--max-tokens", 16,
+    process, url, port = start_server(
+        "--model", model, "--drafter", drafter, "--max-batch", MAX_BATCH, "--max-tokens", 16,
         "--max-body-bytes", BODY_LIMIT, "--log-prompts", log,
-    ]
-    process = subprocess.Popen(
-        [sys.executable, "-m", "redrafter_mlx.cli", *map(str, args)],
-        cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 300
-    while True:
-        try:
-            if httpx.get(f"{url}/health").status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        if process.poll() is not None or time.time() > deadline:
-            process.kill()
-            pytest.fail(f"the server did not start: {process.communicate()[1]}")
-        time.sleep(0.2)
     yield url, port, model, str(log)
-    process.send_signal(signal.SIGINT)
-    try:
-        process.wait(30)
-    finally:
-        process.kill()
+    stop_server(process)
 
 
 @pytest.fixture(scope="module")
@@ -307,3 +276,46 @@ def test_a_port_in_use_is_one_clear_error(server):
     result = run_cli("serve", "--port", server[1], "--drafter", "none")
     assert result.returncode == 1
     assert result.stderr.strip() == f"error: cannot listen on 127.0.0.1:{server[1]} (Address already in use)"
+
+
+def test_logprobs_whole_and_streamed_in_both_openai_forms(client, reference):
+    """The chosen tokens' log-probabilities and their top alternatives, in
+    chat's form and in the text completions' form, streamed alike."""
+    import math
+
+    ids, tokens, _ = reference(QUESTIONS[0])
+    chat = client.chat.completions.create(model="m", messages=[{"role": "user", "content": QUESTIONS[0]}], logprobs=True, top_logprobs=3)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == len(tokens) and all(len(c.top_logprobs) == 3 for c in content)
+    for entry in content:  # greedy: the chosen token is the most likely, and its log-probability leads the list
+        assert entry.logprob == max(t.logprob for t in entry.top_logprobs) and entry.logprob <= 0
+        assert entry.token == entry.top_logprobs[0].token and entry.bytes == list(entry.token.encode())
+    assert sum(math.exp(t.logprob) for t in content[0].top_logprobs) <= 1 + 1e-5
+    streamed = [c for chunk in client.chat.completions.create(model="m", messages=[{"role": "user", "content": QUESTIONS[0]}], logprobs=True, top_logprobs=3, stream=True)
+                if chunk.choices and chunk.choices[0].logprobs for c in chunk.choices[0].logprobs.content]
+    assert [(c.token, round(c.logprob, 4)) for c in streamed] == [(c.token, round(c.logprob, 4)) for c in content]
+    text = client.completions.create(model="m", prompt=QUESTIONS[0], max_tokens=6, logprobs=2)
+    legacy = text.choices[0].logprobs
+    assert len(legacy.tokens) == len(legacy.token_logprobs) == len(legacy.top_logprobs) == 6 and all(len(t) <= 2 for t in legacy.top_logprobs)
+
+
+def test_penalties_xtc_and_chat_template_arguments_are_taken(client, reference):
+    ids, tokens, text = reference(QUESTIONS[1])
+    plain = client.chat.completions.create(model="m", messages=[{"role": "user", "content": QUESTIONS[1]}])
+    penalised = client.chat.completions.create(model="m", messages=[{"role": "user", "content": QUESTIONS[1]}],
+                                               extra_body={"presence_penalty": 30.0, "frequency_penalty": 5.0})
+    assert plain.choices[0].message.content == text
+    assert len(set(penalised.choices[0].message.content.split())) == len(penalised.choices[0].message.content.split())  # no word twice
+    xtc = client.chat.completions.create(model="m", messages=[{"role": "user", "content": QUESTIONS[1]}], temperature=1.0, seed=3,
+                                         extra_body={"xtc_probability": 1.0, "xtc_threshold": 0.05})
+    assert xtc.choices[0].finish_reason in ("stop", "length")
+    extra = client.chat.completions.create(model="m", messages=[{"role": "user", "content": QUESTIONS[1]}], extra_body={"chat_template_kwargs": {"unused": True}})
+    assert extra.usage.prompt_tokens == plain.usage.prompt_tokens
+    with pytest.raises(openai.BadRequestError, match="chat_template_kwargs"):
+        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], extra_body={"chat_template_kwargs": [1]})
+
+
+def test_tools_for_a_template_without_tool_support_get_a_400_naming_it(client):
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    with pytest.raises(openai.BadRequestError, match="no tool support"):
+        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], tools=tools)
