@@ -74,8 +74,10 @@ def start(command: list, env: dict) -> tuple:
 def level(url: str, prompts: list, clients: int, max_tokens: int) -> dict:
     def one(prompt):
         tic = time.perf_counter()
-        body = {"model": "default", "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "temperature": 0}
+        body = {"model": "default_model", "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "temperature": 0}
         response = httpx.post(url + "/v1/chat/completions", json=body, timeout=3600).json()
+        if "usage" not in response:
+            sys.exit(f"{url} answered {json.dumps(response)[:500]}")
         return time.perf_counter() - tic, response
 
     tic = time.perf_counter()
