@@ -18,7 +18,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 from mlx_lm.generate import generate_step
-from mlx_lm.models import gemma3_text, llama, qwen2
+from mlx_lm.models import gemma3_text, lfm2, llama, mixtral, nemotron_h, qwen2, qwen3_5, qwen3_moe, qwen3_next
 
 from redrafter_mlx.engine import calibrate
 from redrafter_mlx.engine.base_model import BaseModel
@@ -69,12 +69,54 @@ def tiny_model(kind: str = "llama", seed: int = 0, quantize: bool = False, vocab
                 model_type="gemma3_text", sliding_window=8, sliding_window_pattern=3, **args
             )
         )
+    elif kind in HYBRIDS or kind in EXPERTS:
+        model = tiny_hybrid(kind, common)
     else:
         raise ValueError(kind)
     if quantize:
         nn.quantize(model, group_size=32, bits=4)
     mx.eval(model.parameters())
     return model
+
+
+HYBRIDS = ["qwen3_next", "qwen3_5", "nemotron_h", "lfm2"]  # layers with recurrent or convolutional state
+EXPERTS = ["qwen3_moe", "mixtral"]  # mixtures of experts
+
+
+def tiny_hybrid(kind: str, common: dict) -> nn.Module:
+    """The hybrid and expert architectures, each with both kinds of layer
+    (4 layers at most, hidden size 64)."""
+    linear = dict(linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
+                  linear_conv_kernel_dim=4, head_dim=16, full_attention_interval=2)
+    experts = dict(num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[], moe_intermediate_size=32)
+    if kind == "qwen3_next":  # Gated DeltaNet and attention, experts with a shared one
+        args = dict(common, num_hidden_layers=4, **linear, **experts)
+        return qwen3_next.Model(qwen3_next.ModelArgs(
+            model_type=kind, shared_expert_intermediate_size=64, rope_theta=10000.0, partial_rotary_factor=0.5, **args))
+    if kind == "qwen3_5":  # Gated DeltaNet and attention, inside a multimodal wrapper
+        text = dict(common, model_type="qwen3_5_text", num_hidden_layers=4, **linear)
+        return qwen3_5.Model(qwen3_5.ModelArgs(model_type=kind, text_config=text))
+    if kind == "nemotron_h":  # Mamba2, attention without positions, MLP-only layers
+        args = {k: v for k, v in common.items() if k not in ("num_hidden_layers", "rms_norm_eps")}
+        return nemotron_h.Model(nemotron_h.ModelArgs(
+            model_type=kind, attention_bias=False, mamba_num_heads=4, mamba_head_dim=16, mamba_proj_bias=False, ssm_state_size=16,
+            conv_kernel=4, n_groups=2, mlp_bias=False, layer_norm_epsilon=1e-5, use_bias=False, use_conv_bias=True,
+            hybrid_override_pattern=["M", "*", "-", "M"], head_dim=16, **args))
+    if kind == "lfm2":  # short convolutions and attention
+        args = {k: v for k, v in common.items() if k not in ("num_hidden_layers", "rms_norm_eps")}
+        model = lfm2.Model(lfm2.ModelArgs(
+            model_type=kind, num_hidden_layers=3, norm_eps=1e-5, conv_bias=False, conv_L_cache=3, block_dim=HIDDEN, block_multiple_of=16,
+            block_ffn_dim_multiplier=1.0, block_auto_adjust_ff_dim=False, layer_types=["conv", "full_attention", "conv"], **args))
+        # Its tied embedding at full scale makes every token predict itself.
+        model.model.embed_tokens.weight = model.model.embed_tokens.weight * 0.05
+        return model
+    if kind == "qwen3_moe":
+        return qwen3_moe.Model(qwen3_moe.ModelArgs(
+            model_type=kind, head_dim=16, rope_theta=10000.0, tie_word_embeddings=False, norm_topk_prob=True, **experts, **common))
+    if kind == "mixtral":
+        args = {k: v for k, v in common.items() if k != "max_position_embeddings"}
+        return mixtral.Model(mixtral.ModelArgs(model_type=kind, num_local_experts=4, num_experts_per_tok=2, **args))
+    raise ValueError(kind)
 
 
 def tiny_drafter(

@@ -32,7 +32,7 @@ from .budget import AcceptanceStats, best_node_count
 from .datastore import Datastore
 from .lookup import LookupIndex
 from .settings import DraftSettings
-from .tree import RowTree, beam_drafts, candidate_tree, datastore_drafts, lookup_drafts, most_likely_nodes, prune
+from .tree import RowTree, beam_drafts, candidate_tree, datastore_drafts, lookup_drafts, most_likely_nodes, most_likely_path, prune
 
 RNN_RETRY_STEPS = 16  # with the RNN turned off, run it again every this many steps
 EXPLORE_STEPS = 8  # every this many steps, verify one node more than the budget chose
@@ -53,13 +53,16 @@ class Speculator:
     (``ReDrafter.acceptance``); this run starts from it and adds to it.
     datastore: the drafter's ``Datastore`` (None: no datastore drafts).
     answers: the process's ``AnswerStore`` of earlier answers (None: none).
+    chains: each row verifies its most likely path only (a model with
+    recurrent layers, which cannot verify a tree).
 
     A sampled row's drafts are accepted less often than a greedy row's, so
     their statistics are kept apart: every key carries the row's kind."""
 
     def __init__(self, settings: DraftSettings, has_drafter: bool, history: Optional[AcceptanceStats] = None,
-                 datastore: Optional[Datastore] = None, answers: Optional[AnswerStore] = None):
+                 datastore: Optional[Datastore] = None, answers: Optional[AnswerStore] = None, chains: bool = False):
         self.settings = settings
+        self.chains = chains
         self.has_drafter = has_drafter
         self.datastore = datastore if settings.datastore_beams else None
         self.answers = answers
@@ -126,7 +129,7 @@ class Speculator:
             for draft in row_drafts:
                 draft.keys = [(*key, kind) for key in draft.keys]
             drafts.append(row_drafts)
-        candidates = [candidate_tree(root, d) for root, d in zip(roots, drafts)]
+        candidates = [self._candidates(root, d) for root, d in zip(roots, drafts)]
         if self.settings.max_nodes is not None:
             return [prune(t, self.settings.max_nodes) for t in candidates]
         gains = [most_likely_nodes(t) for t in candidates]
@@ -139,12 +142,16 @@ class Speculator:
         self.idle = self.idle + 1 if count == 0 else 0
         self.pending = ("rnn" if beams is not None else "lookup"), cost(count + 1) + draft_seconds, cost(1)
         if beams is not None and self.has_cheap_drafts and self.measured["lookup"] is None:
-            cheap_only = [most_likely_nodes(candidate_tree(root, [d for d in row_drafts if d.keys[0][0] != "rnn"]))
+            cheap_only = [most_likely_nodes(self._candidates(root, [d for d in row_drafts if d.keys[0][0] != "rnn"]))
                           for root, row_drafts in zip(roots, drafts)]
             rate = best_node_count(cheap_only, cost, max(map(len, cheap_only)))[1]
             past = self.lookup_estimate
             self.lookup_estimate = rate if past is None else RATE_MEMORY * past + (1 - RATE_MEMORY) * rate
         return [prune(t, count) for t in candidates]
+
+    def _candidates(self, root: int, drafts: list) -> RowTree:
+        tree = candidate_tree(root, drafts)
+        return most_likely_path(tree) if self.chains else tree
 
     def _estimate(self, row: int):
         kind = self.kinds.get(row, "greedy")

@@ -99,6 +99,23 @@ def most_likely_nodes(tree: RowTree) -> list[float]:
     return sorted(tree.probs[1:], reverse=True)
 
 
+def most_likely_path(tree: RowTree) -> RowTree:
+    """The tree's most likely root-to-leaf path, as a tree of its own: from
+    the root, each time the child most likely to be accepted. What a model
+    with recurrent layers verifies (``engine.recurrent``); pruned, it stays
+    a path, since a node is never more likely than its parent."""
+    children = {}
+    for i in range(1, tree.num_nodes):
+        children.setdefault(tree.parents[i], []).append(i)
+    nodes = [0]
+    while nodes[-1] in children:
+        nodes.append(max(children[nodes[-1]], key=lambda i: (tree.probs[i], -i)))
+    return RowTree(
+        [tree.tokens[i] for i in nodes], list(range(-1, len(nodes) - 1)), list(range(len(nodes))),
+        [tree.probs[i] for i in nodes], [tree.judged[i] for i in nodes],
+    )
+
+
 def prune(tree: RowTree, max_nodes: int) -> RowTree:
     """Keep the root and the ``max_nodes`` most likely other nodes (ties go
     to the shallower, then the earlier node, so parents come first)."""

@@ -2,17 +2,25 @@
 from one forward pass of an unmodified mlx-lm model.
 
 mlx-lm models are ``Model(inputs, cache) -> logits`` around a backbone
-``Model.model(inputs, cache) -> normed hidden states`` and an output head
-(``lm_head``, or the tied input embedding). We call the backbone, apply the
-head ourselves, and check once, on a probe input, that this reproduces the
-model's own logits; models with anything else after the head are refused.
+``Model.model(inputs, cache) -> normed hidden states`` (``Model.backbone``
+in some) and an output head (``lm_head``, or the tied input embedding). We
+call the backbone, apply the head ourselves, and check once, on a probe
+input, that this reproduces the model's own logits; models with anything
+else after the head are refused.
+
+Each layer's cache is what the model's own ``make_cache`` asks for: keys and
+values (``TreeKVCache``, sliding windows included) or a recurrent state
+(``RecurrentCache``, for hybrid models: they verify chains, see
+``engine.recurrent``).
 """
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 
 from ..errors import UserError
 from .cache import CacheLayout, TreeKVCache
+from .recurrent import RecurrentCache, install_recorders
 from .rope import install_tree_rope
 
 
@@ -28,22 +36,49 @@ class BaseModel:
     def __init__(self, model: nn.Module):
         self.model = model
         language_model = getattr(model, "language_model", model)  # multimodal wrappers
-        self.backbone = getattr(language_model, "model", None)
-        if self.backbone is None or not hasattr(self.backbone, "embed_tokens"):
-            raise UserError(f"unsupported model type {type(model).__module__}: no backbone with embed_tokens")
+        kind = getattr(language_model, "model_type", None) or type(model).__module__
+        self.backbone = getattr(language_model, "model", None) or getattr(language_model, "backbone", None)
+        embedding = getattr(self.backbone, "embed_tokens", None) or getattr(self.backbone, "embeddings", None)
+        if not isinstance(embedding, nn.Module):
+            raise UserError(f"unsupported model type {kind}: no backbone with an input embedding (embed_tokens)")
+        self.embedding = embedding
         if "lm_head" in language_model:
             self.head = self.head_layer = language_model.lm_head
         else:
-            self.head_layer = self.backbone.embed_tokens  # tied
+            self.head_layer = embedding  # tied
             self.head = self.head_layer.as_linear
-        self.num_layers = len(model.layers)
-        if install_tree_rope(model) == 0:
-            raise UserError("unsupported model: no RoPE module found to give tree tokens their positions")
+        self.layer_caches = self._layer_caches(model, kind)
+        self.num_layers = len(self.layer_caches)
+        # Models with recurrent layers verify chains, one path per row.
+        self.recurrent = any(size is not None for size in self.layer_caches)
+        if install_tree_rope(model) == 0 and not self.recurrent:
+            # Attention without positions would see a tree as a bag of tokens;
+            # a hybrid's recurrent layers give a chain its order.
+            raise UserError(f"unsupported model type {kind}: no RoPE module found to give tree tokens their positions")
+        if self.recurrent and install_recorders(model.layers) == 0:
+            raise UserError(f"unsupported model type {kind}: no layer calls a module with cache=")
         args = getattr(language_model, "args", None) or getattr(model, "args", None)
         text_args = getattr(args, "text_config", None) or args
         self.max_context = getattr(text_args, "max_position_embeddings", None)
         self.hidden_size, self.vocab_size = self._probe()
         self.dtype = self.embed(mx.array([0])).dtype  # what the model computes in
+
+    @staticmethod
+    def _layer_caches(model: nn.Module, kind: str) -> list:
+        """Per cache the model takes: None for keys and values, else the
+        number of state arrays of a recurrent layer."""
+        make = getattr(model, "make_cache", None)
+        if make is None:
+            return [None] * len(model.layers)
+        sizes = []
+        for i, c in enumerate(make()):
+            if isinstance(c, (KVCache, RotatingKVCache)):
+                sizes.append(None)
+            elif type(c) is ArraysCache:
+                sizes.append(len(c.cache))
+            else:
+                raise UserError(f"unsupported model type {kind}: layer {i} keeps a {type(c).__name__}, which the engine cannot verify a draft with")
+        return sizes
 
     def _probe(self) -> tuple[int, int]:
         """Check hidden -> head reproduces the model's logits; return sizes."""
@@ -73,11 +108,13 @@ class BaseModel:
 
     def embed(self, tokens: mx.array) -> mx.array:
         """The input embedding the drafter shares, (...) -> (..., hidden_size)."""
-        return self.backbone.embed_tokens(tokens)
+        return self.embedding(tokens)
 
-    def make_cache(self, left_padding: list[int]) -> tuple[CacheLayout, list[TreeKVCache]]:
+    def make_cache(self, left_padding: list[int]) -> tuple[CacheLayout, list]:
+        """A new batch's layout and per-layer caches (``TreeKVCache`` or
+        ``RecurrentCache``, as the model's layers keep their state)."""
         layout = CacheLayout(left_padding)
-        return layout, [TreeKVCache(layout) for _ in range(self.num_layers)]
+        return layout, [TreeKVCache(layout) if size is None else RecurrentCache(layout, size) for size in self.layer_caches]
 
     def __call__(self, tokens: mx.array, cache: list) -> tuple[mx.array, mx.array]:
         """tokens (B, N) -> hidden (B, N, hidden_size), logits (B, N, vocab)."""

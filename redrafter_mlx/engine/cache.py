@@ -49,6 +49,20 @@ class CacheLayout:
     def start(self) -> int:
         return int(self.lengths.max())
 
+    @property
+    def in_tree(self) -> bool:
+        """Whether the block being fed is a tree (verification), not a prefill chunk."""
+        return self._depths is not None
+
+    def padding_mask(self, num_tokens: int) -> Optional[mx.array]:
+        """(B, N) bool: which tokens of a prefill chunk are not left padding;
+        None when all are (a tree's padding nodes come after its real ones,
+        and the recurrent layers that ask are set right in ``commit_path``)."""
+        if self.in_tree or int(self.left_padding.max()) <= self.start:
+            return None
+        positions = self.start + np.arange(num_tokens)
+        return mx.array(positions[None, :] >= self.left_padding[:, None])
+
     def begin_chunk(self) -> None:
         """The next block is a causal chunk of the (left-padded) prompts. Only
         valid while all rows have the same length, i.e. before any tree."""

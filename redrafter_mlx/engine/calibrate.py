@@ -7,6 +7,7 @@ import time
 from typing import Optional
 
 import mlx.core as mx
+import numpy as np
 
 from ..drafting.beam_search import beam_search
 from ..drafting.cost import SIZES, CostCurve, cached_curve, machine_key, mark_stale
@@ -40,20 +41,30 @@ def measure(redrafter, batch_size: int, beam_shape: Optional[tuple] = None, repe
     them in turn, ``repeats`` times."""
 
     base = redrafter.base
-    prompt = [(17 * i + 3) % base.vocab_size for i in range(CONTEXT)]
-    layout, cache, hidden, _ = prefill(base, [prompt] * batch_size)
+    # Rows of different tokens, so that a mixture of experts reads as many
+    # experts as real rows do.
+    prompts = [[(17 * i + 3 + 101 * b) % base.vocab_size for i in range(CONTEXT)] for b in range(batch_size)]
+    layout, cache, hidden, _ = prefill(base, prompts)
 
     def tree_pass(n):
-        tokens = mx.array([prompt[:n]] * batch_size, mx.int32)
+        tokens = mx.array([p[:n] for p in prompts], mx.int32)
         depths = mx.broadcast_to(mx.arange(n, dtype=mx.int32), (batch_size, n))
         mask = mx.broadcast_to(mx.tril(mx.ones((n, n), mx.bool_)), (batch_size, n, n))
+        # A model with recurrent layers also pays for setting their state to
+        # the accepted prefix: here half the chain, its typical share.
+        path = np.broadcast_to(np.arange(n), (batch_size, n))
+        accepted = np.full(batch_size, (n - 1) // 2)
 
         def run():
             if tree:
                 layout.begin_tree(depths, mask)
             else:
                 layout.begin_chunk()
-            mx.eval(base(tokens, cache))
+            outputs = base(tokens, cache)
+            if tree and base.recurrent:
+                for c in cache:
+                    c.commit_path(path, accepted)
+            mx.eval(outputs, [c.state_arrays() for c in cache])
 
         return run
 

@@ -76,7 +76,9 @@ class Decoder:
         self.fixed_curve = cost_curve
         self.costs = {}
         self.tracker = RowTracker([], 0, eos_token_ids)
-        self.speculator = Speculator(draft, redrafter.drafter is not None, redrafter.acceptance, redrafter.datastore, redrafter.answers)
+        self.speculator = Speculator(
+            draft, redrafter.drafter is not None, redrafter.acceptance, redrafter.datastore, redrafter.answers, chains=redrafter.base.recurrent
+        )
         self.layout = self.cache = self.rnn = None
         self.leaving = set()
         # A plain pass issued ahead: (chosen tokens (B,), hidden (B, hidden_size)),

@@ -68,7 +68,10 @@ def _prefill_from_cache(base: BaseModel, prompt: Sequence[int], prompt_cache, pr
     layout, cache = base.make_cache([0])
     if reused:
         for c, keys, values in zip(cache, prompt_cache.keys, prompt_cache.values):
-            c.keys, c.values = keys[..., :reused, :], values[..., :reused, :]
+            if values is None:  # a recurrent state, after all the cache's tokens (= reused)
+                c.cache = list(keys)
+            else:
+                c.keys, c.values = keys[..., :reused, :], values[..., :reused, :]
         layout.lengths[:] = reused
     tokens = mx.array([list(prompt[reused:])], mx.int32)
     return (layout, cache, *_feed(base, layout, cache, tokens, prefill_step_size))

@@ -5,6 +5,11 @@ The engine reuses the longest common prefix of a cache's tokens and the new
 prompt, so a cache may hold more than the prompt shares (an answer that was
 stopped, or that the chat template writes back differently): only the
 shared part is used, and the result is what a full prefill gives.
+
+A model with recurrent layers (``engine.recurrent``) keeps, for those
+layers, the state after all of the cache's tokens, which cannot be cut
+back: such a cache is reused only by a prompt that starts with all of its
+tokens (the next turn of the conversation), and otherwise not at all.
 """
 
 import json
@@ -21,7 +26,9 @@ FORMAT = 1
 
 class PromptCache:
     """tokens: the token ids whose keys and values are held; keys, values:
-    per layer of the base model, (1, kv_heads, len(tokens), head_dim).
+    per layer of the base model, (1, kv_heads, len(tokens), head_dim); for
+    a recurrent layer, keys holds the tuple of its state arrays (1, ...)
+    after all the tokens, and values None.
     model: the identity of the model that made them ('' when unknown).
 
     Empty until a generation given it (``prompt_cache=``) fills it; each
@@ -54,14 +61,29 @@ class PromptCache:
     def clear(self) -> None:
         self._state = ([], [], [])
 
+    @property
+    def recurrent(self) -> bool:
+        """Whether some layer's state is recurrent (reused whole or not at all)."""
+        return any(v is None for v in self.values)
+
     def reusable(self, prompt: Sequence[int]) -> int:
         """Leading tokens of ``prompt`` this cache gives: their common
         prefix, at most all but the prompt's last token (which is always
-        fed, for the logits of what follows it)."""
+        fed, for the logits of what follows it); with recurrent layers,
+        all of the cache's tokens or none."""
         limit, tokens, n = min(len(self.tokens), len(prompt) - 1), self.tokens, 0
         while n < limit and tokens[n] == prompt[n]:
             n += 1
+        if self.recurrent and n < len(tokens):
+            return 0
         return n
+
+    def arrays(self) -> list:
+        """Every array the cache holds."""
+        flat = []
+        for k, v in zip(self.keys, self.values):
+            flat += list(k) if v is None else [k, v]
+        return flat
 
     def check(self, identity: str, num_layers: int) -> None:
         """Refuse a cache made by another model."""
@@ -70,14 +92,14 @@ class PromptCache:
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.keys + self.values)
+        return sum(a.nbytes for a in self.arrays())
 
     def compact(self) -> "PromptCache":
         """A copy that owns just its own memory (a cache a generation filled
         holds views of that generation's whole batch buffers)."""
-        keys = [mx.contiguous(k) for k in self.keys]
-        values = [mx.contiguous(v) for v in self.values]
-        mx.eval(keys, values)
+        keys = [tuple(mx.contiguous(a) for a in k) if v is None else mx.contiguous(k) for k, v in zip(self.keys, self.values)]
+        values = [None if v is None else mx.contiguous(v) for v in self.values]
+        mx.eval(keys, [v for v in values if v is not None])
         return PromptCache(self.tokens, keys, values, self.model)
 
 
@@ -92,10 +114,16 @@ def save_prompt_cache(path: str, cache: PromptCache, metadata: Optional[dict] = 
     path = Path(path)
     if path.suffix != ".safetensors":
         raise UserError(f"a prompt cache file ends in .safetensors, got {path}")
-    arrays = {}
+    arrays, recurrent = {}, {}
     for i, (k, v) in enumerate(zip(cache.keys, cache.values)):
-        arrays[f"keys.{i}"], arrays[f"values.{i}"] = mx.contiguous(k), mx.contiguous(v)
+        if v is None:
+            recurrent[i] = len(k)
+            for j, a in enumerate(k):
+                arrays[f"state.{i}.{j}"] = mx.contiguous(a)
+        else:
+            arrays[f"keys.{i}"], arrays[f"values.{i}"] = mx.contiguous(k), mx.contiguous(v)
     info = {"format": str(FORMAT), "tokens": json.dumps(cache.tokens), "model": cache.model, "layers": str(len(cache.keys))}
+    info["recurrent"] = json.dumps(recurrent)
     info["metadata"] = json.dumps(metadata or {})
     tmp = path.with_name(f".{path.stem}.tmp{os.getpid()}.safetensors")
     try:
@@ -114,11 +142,13 @@ def load_prompt_cache(path: str, return_metadata: bool = False):
         if info.get("format") != str(FORMAT):
             raise ValueError(f"format {info.get('format')!r}, expected {FORMAT}")
         layers = int(info["layers"])
-        keys = [arrays[f"keys.{i}"] for i in range(layers)]
-        values = [arrays[f"values.{i}"] for i in range(layers)]
+        recurrent = {int(i): n for i, n in json.loads(info.get("recurrent", "{}")).items()}
+        keys = [tuple(arrays[f"state.{i}.{j}"] for j in range(recurrent[i])) if i in recurrent else arrays[f"keys.{i}"] for i in range(layers)]
+        values = [None if i in recurrent else arrays[f"values.{i}"] for i in range(layers)]
         tokens = json.loads(info["tokens"])
         metadata = json.loads(info.get("metadata", "{}"))
-        if any(k.ndim != 4 or k.shape[2] != len(tokens) for k in keys + values):
+        attention = [a for i in range(layers) if i not in recurrent for a in (keys[i], values[i])]
+        if any(k.ndim != 4 or k.shape[2] != len(tokens) for k in attention):
             raise ValueError("key and value shapes do not match the tokens")
     except (OSError, RuntimeError, ValueError, KeyError, TypeError) as e:
         raise UserError(f"cannot read the prompt cache {path} ({e})") from None

@@ -18,7 +18,7 @@ def expected(reference, eos):
     return reference
 
 
-@pytest.mark.parametrize("kind", ["llama", "gemma3"])
+@pytest.mark.parametrize("kind", ["llama", "gemma3", "qwen3_next", "nemotron_h"])
 @pytest.mark.parametrize("max_batch", [None, 1, 4, 5])
 def test_batched_greedy_equals_mlx_lm_per_prompt(kind, max_batch, monkeypatch):
     base = BaseModel(tiny_model(kind, seed=1))

@@ -23,9 +23,10 @@ def run(redrafter, prompt, cache=None, max_tokens=24, **kwargs):
     return tokens
 
 
-@pytest.fixture(scope="module", params=["llama", "gemma3"])
+@pytest.fixture(scope="module", params=["llama", "gemma3", "qwen3_next", "nemotron_h"])
 def redrafter(request):
-    # gemma3's sliding-window layers see only the last 8 positions.
+    # gemma3's sliding-window layers see only the last 8 positions; the
+    # hybrids keep recurrent states, reused whole or not at all.
     return ReDrafter(BaseModel(tiny_model(request.param, seed=3)), tiny_drafter(seed=2), identity=request.param)
 
 
@@ -97,3 +98,14 @@ def test_the_store_finds_the_longest_shared_prefix_and_keeps_within_its_memory()
     assert [e.tokens for e in store.entries] == [[1, 2, 3, 4, 5], [9, 9, 9, 9]]
     store.add(entry(list(range(11))))  # larger than the whole store: not kept
     assert store.nbytes == 32 * 9 and len(store.entries) == 2
+
+
+def test_a_recurrent_state_is_reused_whole_or_not_at_all(redrafter):
+    if not redrafter.base.recurrent:
+        pytest.skip("keys and values are reused as far as they are shared")
+    cache = make_prompt_cache()
+    answer = run(redrafter, TURNS[0], cache)
+    held = len(cache.tokens)
+    assert cache.reusable(TURNS[0] + answer + TURNS[1]) == held  # the next turn: all of it
+    assert cache.reusable(TURNS[0][:-2] + TURNS[1]) == 0  # an edit: nothing
+    assert cache.reusable(TURNS[0][:4]) == 0  # a shorter prompt: nothing

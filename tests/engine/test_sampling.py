@@ -126,6 +126,20 @@ def test_sampled_tokens_have_the_base_models_distribution(base, settings, shape,
     assert_same_distribution(counts, joint)
 
 
+@pytest.mark.parametrize("kind", ["qwen3_next", "nemotron_h"])
+def test_sampled_tokens_of_a_hybrid_have_the_base_models_distribution(kind, monkeypatch):
+    """A hybrid verifies chains; its recurrent state is set to the accepted
+    prefix after each step, which the third token depends on."""
+    steep = CostCurve([1, 2, 4, 8], [1.0, 1.3, 1.9, 3.5], draft_seconds=0.1)
+    monkeypatch.setattr(calibrate, "cost_curve", lambda *args, **kwargs: steep)
+    hybrid = BaseModel(tiny_model(kind, seed=11, vocab=VOCAB))
+    settings = dict(temp=1.0)
+    joint, _ = exact_distribution(hybrid, settings)
+    marginal = joint.sum(axis=(1, 2)) + joint.sum(axis=(0, 2)) + joint.sum(axis=(0, 1))
+    counts = redrafter_counts(hybrid, FixedDrafter(np.log(marginal + 1e-9)), settings, (4, 3), "both")
+    assert_same_distribution(counts, joint)
+
+
 def reference_rule_sample(p, beams, q, length, rng):
     """One sample of ``length`` tokens by the reference implementations'
     rule: accept each beam's drafted tokens with probability min(1, p/q),
