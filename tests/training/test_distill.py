@@ -64,6 +64,19 @@ def test_batched_output_equals_single_prompt_generation_and_is_deterministic(bas
     assert len(lengths) > 1  # rows stopped at EOS at different points
 
 
+def test_a_hybrid_model_distills_as_one_prompt_at_a_time_does(tmp_path):
+    """A model with recurrent layers: batched rows of different lengths give
+    what each prompt alone gives, with one hidden state per response token."""
+    hybrid = BaseModel(tiny_model("qwen3_next", seed=3))
+    run(hybrid, tmp_path / "a", prompts=PROMPTS[:4], batch_size=4)
+    batched = sequences_by_prompt(tmp_path / "a")
+    generate = generator(hybrid)
+    for i, prompt in enumerate(PROMPTS[:4]):
+        ((_, response, hidden),) = generate([tokenize(prompt)], 1, [0])
+        assert batched[i] == tokenize(prompt) + response
+        assert hidden.shape == (len(response), 64)
+
+
 def test_interrupted_run_resumes_without_redoing_prompts(base, tmp_path):
     generate = generator(base)
 
