@@ -105,6 +105,9 @@ SAMPLING = option_group("sampling", [
 PROMPT_LOG = option_group("prompt log", [
     (["--log-prompts"], dict(metavar="FILE", help="append each prompt answered to this JSONL file, which `distill --prompts` reads")),
 ])
+SPLIT = option_group("several machines (started by mlx.launch)", [
+    (["--split"], dict(choices=["pipeline", "tensor"], default="pipeline", help="how the model is split over the launched ranks: pipeline stages of layers, or tensor parallel where the heads divide (pipeline)")),
+])
 ANSWERS = option_group("earlier answers", [
     (["--answer-store-mb"], dict(type=float, default=64, metavar="MB", help="memory for the answers produced so far, which later steps also draft from; 0 turns it off (64)")),
 ])
@@ -122,13 +125,26 @@ def answer_store(megabytes: float):
     return make(megabytes)
 
 
-def load_pair(args):
+def load_pair(args, ranks=None):
     from redrafter_mlx.loading.loader import load
 
     drafter = getattr(args, "drafter", None)
     if drafter == "none" and getattr(args, "beam_width", None) is not None:
         fail("--beam-width sets the RNN drafter's search; it does not go with --drafter none")
-    return load(args.model, drafter, dtype=dtype_of(args))
+    return load(args.model, drafter, dtype=dtype_of(args), ranks=ranks)
+
+
+def join_ranks(args):
+    """The ranks this process was launched with by mlx.launch (None when it
+    runs alone). Only rank 0 writes to standard output."""
+    from redrafter_mlx.engine import distributed
+
+    if not distributed.launched():
+        return None
+    ranks = distributed.join(args.split)
+    if ranks.rank > 0:
+        sys.stdout = open(os.devnull, "w")
+    return ranks
 
 
 def dtype_of(args) -> str:
@@ -160,7 +176,6 @@ def prompt_log(args):
 def generate(args):
     """Generate text from a prompt, or from each prompt of a file (batched)."""
     from redrafter_mlx.engine.sampling import make_chooser
-    from redrafter_mlx.serving.api import batch_generate, encode_prompt, stream_generate
     from redrafter_mlx.serving.prompts import read_prompts
 
     draft, choose = draft_settings(args), make_chooser(sampling_settings(args))
@@ -171,7 +186,23 @@ def generate(args):
             prompt = sys.stdin.buffer.read().decode("utf-8")
         except UnicodeDecodeError as e:
             fail(f"the prompt on standard input is not UTF-8 text ({e})")
-    redrafter, tokenizer = load_pair(args)
+    ranks = join_ranks(args)
+    redrafter, tokenizer = load_pair(args, ranks)
+    _generate(args, redrafter, tokenizer, draft, choose, texts, prompt, ranks.size if ranks else 1)
+    if ranks is not None:  # only a normal end: a rank that fails leaves without a word, which ends the others
+        ranks.end()
+
+
+SPLIT_NODES = 8  # nodes a split run verifies when --max-nodes is not given
+
+
+def _generate(args, redrafter, tokenizer, draft, choose, texts, prompt, num_ranks):
+    from redrafter_mlx.serving.api import batch_generate, encode_prompt, stream_generate
+
+    if num_ranks > 1 and draft.max_nodes is None:
+        # The cost curve is not measured in the split setting yet: a fixed budget.
+        draft = dataclasses.replace(draft, max_nodes=SPLIT_NODES)
+
     options = dict(vars(draft), choose=choose, chat_template=not args.ignore_chat_template)
     if texts is not None:
         for result in batch_generate(redrafter, tokenizer, texts, args.max_tokens, batch_size=args.batch_size, **options):
@@ -188,7 +219,7 @@ def generate(args):
     steps, step_tokens, step_nodes, tps = (last.steps, last.step_tokens, last.step_nodes, last.generation_tps) if last else (0, 0, 0, 0.0)
     if args.json:
         out = summary(text, tokens, len(prompt_ids), steps, step_tokens, step_nodes, tps, last.finish_reason if last else "length")
-        out.update(prompt_tps=last.prompt_tps if last else 0.0, peak_memory_gb=last.peak_memory if last else 0.0)
+        out.update(prompt_tps=last.prompt_tps if last else 0.0, peak_memory_gb=last.peak_memory if last else 0.0, ranks=num_ranks)
         print(json.dumps(out))
         return
     print()
@@ -385,7 +416,7 @@ def build_parser() -> Parser:
         sub.set_defaults(run=function)
         return sub
 
-    p = command(generate, MODEL, DRAFTER, DRAFTING, SAMPLING)
+    p = command(generate, MODEL, DRAFTER, DRAFTING, SAMPLING, SPLIT)
     p.add_argument("--prompt", "-p", default="hello", help="message for the model; '-' reads it from standard input (hello)")
     p.add_argument("--prompts", metavar="FILE", help='JSONL file with a "prompt", "messages" or "tokens" per line: one JSON line per prompt, in order')
     p.add_argument("--batch-size", "-b", type=at_least(1), default=1, help="with --prompts: prompts generated together (1)")

@@ -14,12 +14,15 @@ values (``TreeKVCache``, sliding windows included) or a recurrent state
 ``engine.recurrent``).
 """
 
+from typing import Optional
+
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 
 from ..errors import UserError
 from .cache import CacheLayout, TreeKVCache
+from .distributed import Ranks, Skip, SkippedCache, inner_layer
 from .recurrent import RecurrentCache, install_recorders
 from .rope import install_tree_rope
 
@@ -31,9 +34,11 @@ class BaseModel:
         model: the mlx-lm model itself (its RoPE modules are wrapped by
             ``TreeRoPE``, which changes nothing for ordinary calls).
         hidden_size, vocab_size, max_context, dtype: from the model.
+        ranks: the processes the model is split over (``split_model``
+            already applied), or None for one process.
     """
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, ranks: Optional[Ranks] = None):
         self.model = model
         language_model = getattr(model, "language_model", model)  # multimodal wrappers
         kind = getattr(language_model, "model_type", None) or type(model).__module__
@@ -49,13 +54,18 @@ class BaseModel:
             self.head = self.head_layer.as_linear
         self.layer_caches = self._layer_caches(model, kind)
         self.num_layers = len(self.layer_caches)
+        # Split over ranks (``engine.distributed``): the layers other ranks run.
+        self.ranks = ranks
+        self.skipped = [isinstance(layer, Skip) for layer in model.layers] if len(model.layers) == self.num_layers else [False] * self.num_layers
         # Models with recurrent layers verify chains, one path per row.
         self.recurrent = any(size is not None for size in self.layer_caches)
+        if self.recurrent and any(self.skipped):
+            raise UserError(f"cannot split model type {kind} into pipeline stages here: its recurrent layers need mlx-lm's own pipeline()")
         if install_tree_rope(model) == 0 and not self.recurrent:
             # Attention without positions would see a tree as a bag of tokens;
             # a hybrid's recurrent layers give a chain its order.
             raise UserError(f"unsupported model type {kind}: no RoPE module found to give tree tokens their positions")
-        if self.recurrent and install_recorders(model.layers) == 0:
+        if self.recurrent and install_recorders([inner_layer(layer) for layer in model.layers]) == 0:
             raise UserError(f"unsupported model type {kind}: no layer calls a module with cache=")
         args = getattr(language_model, "args", None) or getattr(model, "args", None)
         text_args = getattr(args, "text_config", None) or args
@@ -114,7 +124,10 @@ class BaseModel:
         """A new batch's layout and per-layer caches (``TreeKVCache`` or
         ``RecurrentCache``, as the model's layers keep their state)."""
         layout = CacheLayout(left_padding)
-        return layout, [TreeKVCache(layout) if size is None else RecurrentCache(layout, size) for size in self.layer_caches]
+        return layout, [
+            SkippedCache(layout) if skipped else TreeKVCache(layout) if size is None else RecurrentCache(layout, size)
+            for size, skipped in zip(self.layer_caches, self.skipped)
+        ]
 
     def __call__(self, tokens: mx.array, cache: list) -> tuple[mx.array, mx.array]:
         """tokens (B, N) -> hidden (B, N, hidden_size), logits (B, N, vocab)."""

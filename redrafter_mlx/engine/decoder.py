@@ -255,7 +255,7 @@ class Decoder:
         if profile is not None:
             profile.lap("commit", [c.state_arrays() for c in self.cache])
             profile.steps += 1
-        seconds = time.perf_counter() - tic
+        seconds = self._seconds_since(tic)
         self.speculator.observe(trees, path, num_accepted, seconds)
         self._check_curve(max(tree.num_nodes), seconds)
         self.layout.commit(num_accepted + 1)
@@ -265,6 +265,13 @@ class Decoder:
             logprobs=logprob_lists(logprobs, path),
         )
         return self._finished(outputs)
+
+    def _seconds_since(self, tic: float) -> float:
+        """The step's wall seconds; a model split over ranks takes rank 0's,
+        so that every rank makes the same timing-based choices."""
+        seconds = time.perf_counter() - tic
+        ranks = self.redrafter.base.ranks
+        return seconds if ranks is None else float(ranks.first([seconds])[0])
 
     def _choose(self, logits: mx.array, history: TokenHistory):
         """The choice at every node (B, N) and, when the chooser reports
@@ -320,7 +327,7 @@ class Decoder:
             profile.steps += 1
         self.rnn = None if rnn is None else [np.array(a) for a in rnn]
         batch = len(roots)
-        zeros, seconds = np.zeros(batch, np.int64), time.perf_counter() - tic
+        zeros, seconds = np.zeros(batch, np.int64), self._seconds_since(tic)
         self.speculator.observe(trees, zeros[:, None], zeros, seconds)
         return tracker.emit([[t] for t in np.array(token).tolist()], [0] * batch, [1] * batch, logprobs=logprob_lists(logprobs, zeros[:, None]))
 

