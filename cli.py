@@ -193,15 +193,8 @@ def generate(args):
         ranks.end()
 
 
-SPLIT_NODES = 8  # nodes a split run verifies when --max-nodes is not given
-
-
 def _generate(args, redrafter, tokenizer, draft, choose, texts, prompt, num_ranks):
     from redrafter_mlx.serving.api import batch_generate, encode_prompt, stream_generate
-
-    if num_ranks > 1 and draft.max_nodes is None:
-        # The cost curve is not measured in the split setting yet: a fixed budget.
-        draft = dataclasses.replace(draft, max_nodes=SPLIT_NODES)
 
     options = dict(vars(draft), choose=choose, chat_template=not args.ignore_chat_template)
     if texts is not None:
@@ -319,16 +312,18 @@ def bench(args):
             fail("--plot needs matplotlib: pip install matplotlib")
     choose = make_chooser(sampling_settings(args))
     texts = (read_prompts(args.prompts) if args.prompts else benchmark.DEFAULT_PROMPTS)[:: args.every][: args.num_prompts]
-    redrafter, tokenizer = load_pair(args)
+    ranks = join_ranks(args)
+    redrafter, tokenizer = load_pair(args, ranks)
     if redrafter.drafter is None and any(c.name.startswith(("rnn", "both")) for c in configs):
         fail("the rnn and both configurations need a drafter")
-    env = benchmark.environment(redrafter)
-    print(f"device {env['device']}, BLAS {env['blas']}, dtype {env['dtype']}, mlx {env['mlx']}, mlx-lm {env['mlx_lm']}")
+    env = dict(benchmark.environment(redrafter), ranks=ranks.size if ranks else 1, split=ranks.split if ranks else None)
+    print(f"device {env['device']}, BLAS {env['blas']}, dtype {env['dtype']}, mlx {env['mlx']}, mlx-lm {env['mlx_lm']}"
+          + (f", {ranks.size} ranks ({ranks.split})" if ranks else ""))
     prompts = [encode_prompt(tokenizer, t) for t in texts]
     curve = benchmark.calibration(redrafter, min(args.batch_size, len(prompts)), refresh=args.calibrate)
     print(benchmark.format_curve(curve))
     runs = args.repeats * -(-len(prompts) // args.batch_size) * len(configs)
-    with tqdm(total=runs, unit="run", desc="bench", file=sys.stderr) as bar:
+    with tqdm(total=runs, unit="run", desc="bench", file=sys.stderr, disable=bool(ranks and ranks.rank > 0)) as bar:
         results = benchmark.run_benchmark(
             redrafter, prompts, configs, max_tokens=args.max_tokens, batch_size=args.batch_size, repeats=args.repeats,
             choose=choose, eos=list(tokenizer.eos_token_ids), progress=bar.update, curve=curve,
@@ -337,15 +332,17 @@ def bench(args):
     mismatched = [r.name for r in results if r.mismatches]
     if mismatched:
         print(f"WARNING: ReDrafter output differs from plain decoding for {', '.join(mismatched)}", file=sys.stderr)
-    if args.json:
+    if args.json and not (ranks and ranks.rank > 0):
         used = dict(model=args.model or "default", drafter=args.drafter or "default", drafter_sha256=redrafter.drafter_identity or None,
                     model_identity=redrafter.identity, prompts=args.prompts or "built-in", every=args.every, num_prompts=len(prompts),
                     max_tokens=args.max_tokens, temp=args.temp or 0.0, top_p=args.top_p or 1.0, seed=args.seed or 0,
                     batch_size=args.batch_size, repeats=args.repeats)
         with open(args.json, "w") as f:
             json.dump(benchmark.report(results, used, env, curve), f, indent=2)
-    if args.plot:
+    if args.plot and not (ranks and ranks.rank > 0):
         benchmark.plot_speedups(results, args.plot, f"speed-up, {env['device']} {env['dtype']}, batch {args.batch_size}")
+    if ranks is not None:
+        ranks.end()
 
 
 def distill(args):
@@ -440,7 +437,7 @@ def build_parser() -> Parser:
     p.add_argument("--shutdown-timeout", type=float, default=30.0, help="on SIGTERM, seconds running requests may finish before they are ended (30)")
     p.add_argument("--keep-alive", type=float, default=5.0, help="seconds between keep-alive comments of a streamed answer that is waiting or prefilling (5)")
 
-    p = command(bench, MODEL, DRAFTER, SAMPLING)
+    p = command(bench, MODEL, DRAFTER, SAMPLING, SPLIT)
     p.add_argument("--prompts", metavar="FILE", help="JSONL prompts file (default: 8 built-in prompts)")
     p.add_argument("--num-prompts", type=at_least(1), default=8, help="use the first N prompts, after --every (8)")
     p.add_argument("--every", type=at_least(1), default=1, help="use every K-th prompt of the file (1)")
@@ -534,6 +531,12 @@ def main(argv=None) -> None:
         args.run(args)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
+    except RuntimeError as e:
+        if "MLX_RANK" not in os.environ:
+            raise
+        # One of several ranks: MLX's transport failed because another rank stopped.
+        print(f"error: {e}; another rank stopped", file=sys.stderr)
         sys.exit(1)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

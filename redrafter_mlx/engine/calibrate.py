@@ -44,7 +44,8 @@ def measure(redrafter, batch_size: int, beam_shape: Optional[tuple] = None, repe
     # Rows of different tokens, so that a mixture of experts reads as many
     # experts as real rows do.
     prompts = [[(17 * i + 3 + 101 * b) % base.vocab_size for i in range(CONTEXT)] for b in range(batch_size)]
-    layout, cache, hidden, _ = prefill(base, prompts)
+    layout, cache, hidden, logits = prefill(base, prompts)
+    mx.eval(hidden, logits)  # for a model split over ranks, the prefill's last hops
 
     def tree_pass(n):
         tokens = mx.array([p[:n] for p in prompts], mx.int32)
@@ -73,6 +74,8 @@ def measure(redrafter, batch_size: int, beam_shape: Optional[tuple] = None, repe
         first = mx.zeros((batch_size,), mx.int32)
         runs.append(lambda: mx.eval(beam_search(redrafter.drafter, base.embed, hidden, first, *beam_shape)))
     times = _timed(runs, repeats)
+    if base.ranks is not None:  # every rank sizes its trees by the same curve
+        times = base.ranks.first(times).tolist()
     seconds = times[: len(sizes)]
     seconds = [max(seconds[: i + 1]) for i in range(len(seconds))]  # more nodes never cost less
     return CostCurve(list(sizes), seconds, times[len(sizes)] if len(times) > len(sizes) else 0.0)
@@ -86,6 +89,9 @@ def cost_curve(redrafter: ReDrafter, batch_size: int, beam_shape: Optional[tuple
     """The cached curve for this machine, model, dtype and batch size, with
     the beam search's cost for ``beam_shape`` and this drafter; measured
     when missing (or unreadable) and whenever ``refresh``."""
+    if redrafter.base.ranks is not None:
+        # Split over ranks: hops included, measured on every start, the same on every rank.
+        return measure(redrafter, batch_size, beam_shape if redrafter.drafter is not None else None)
     key = curve_key(redrafter, batch_size)
     draft_key = None
     if beam_shape and redrafter.drafter is not None:
@@ -95,7 +101,8 @@ def cost_curve(redrafter: ReDrafter, batch_size: int, beam_shape: Optional[tuple
 
 def forget_curve(redrafter: ReDrafter, batch_size: int) -> None:
     """Mark the cached curve of this batch size stale: its next use measures it again."""
-    mark_stale(curve_key(redrafter, batch_size))
+    if redrafter.base.ranks is None:  # a split model's curve is never on disk
+        mark_stale(curve_key(redrafter, batch_size))
 
 
 class DriftCheck:

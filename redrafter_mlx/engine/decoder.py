@@ -317,7 +317,9 @@ class Decoder:
         else:
             (token, hidden, logprobs), self.ahead = self.ahead, None
         reads_tokens = getattr(self.choose, "reads_tokens", lambda: True)()
-        if self.speculator.mode == "plain" and not reads_tokens and profile is None:
+        # (Not for a model split over ranks: a pass in flight while the step's
+        # timing is shared could order the ranks' collectives differently.)
+        if self.speculator.mode == "plain" and not reads_tokens and profile is None and self.redrafter.base.ranks is None:
             self.ahead = self._plain_pass(token[:, None], ahead=True)
             mx.async_eval(self.ahead)
         rnn = self._search(hidden, token) if self.speculator.use_rnn() else None

@@ -18,8 +18,13 @@ Speculation on top: every rank runs the same step on the same logits, so
 every rank drafts the same tree and accepts the same path, with nothing
 sent but the model's own traffic. What could make ranks differ is time: the
 budget, the floor and the curve's drift check read seconds, so those are
-rank 0's (``Ranks.first``). The cost curve is not measured in the split
-setting yet, so split runs verify a fixed number of nodes.
+rank 0's (``Ranks.first``), and the cost curve is measured in the split
+setting (hops included) at every start, with rank 0's timings.
+
+Every collective must be evaluated by every rank: an output that one rank
+drops (a prefill's last hidden states) while another rank's next pass
+needs the hop it carries blocks both. So every pass's output is evaluated,
+not only the caches it fills.
 
 A rank that dies must not leave the others blocked in a receive forever,
 and ``mlx.launch`` exits 0 when a rank fails: ``Heartbeat`` is a side
@@ -278,6 +283,12 @@ class Stage(nn.Module):
         y = self.layer(x, *args, **kwargs)
         if self._send_to is not None:
             y = mx.distributed.send(y, self._send_to, group=self._group)
+            # A prefill chunk's output is dropped, its caches evaluated (so
+            # mlx-lm does): the layer's keys carry the send, as in mlx-lm's
+            # own pipeline.
+            for value in (*args, *kwargs.values()):
+                if isinstance(getattr(value, "keys", None), mx.array):
+                    value.keys = mx.depends(value.keys, y)
         return y
 
 

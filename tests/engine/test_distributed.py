@@ -119,7 +119,9 @@ def test_a_killed_rank_ends_the_others_with_an_error(folders, tmp_path):
     (code0, _, err0), (code1, _, _) = launch(tmp_path, [args] * 2, kill_rank_after=(1, 8))
     assert code1 == -signal.SIGKILL
     assert code0 == 1
-    assert err0.strip().splitlines()[-1].startswith("error: ")
+    # Our line (MLX's own transport may add one of its own).
+    assert any(line.startswith("error: ") for line in err0.splitlines()), err0
+    assert "Traceback" not in err0
     assert time.monotonic() - tic < 60
 
 
@@ -129,3 +131,16 @@ def test_ranks_with_different_models_are_refused(folders, tmp_path):
     for code, _, err in results:
         assert code == 1
         assert "another model than rank 0" in err or "rank 0 ended" in err or "rank 1 ended" in err, err
+
+
+def test_bench_compares_plain_pipelined_decoding_with_redrafter_in_the_same_split(folders, tmp_path):
+    out = tmp_path / "bench.json"
+    args = ["bench", "--model", folders["llama"], "--drafter", folders["drafter"], "--prompts", folders["prompts"], "--num-prompts", 2,
+            "--max-tokens", 16, "--configs", "auto,lookup", "--json", out]
+    (code0, _, err0), (code1, out1, err1) = launch(tmp_path, [args] * 2)
+    assert (code0, code1) == (0, 0), err0 + err1
+    report = json.loads(out.read_text())
+    assert report["environment"]["ranks"] == 2
+    assert [r["config"] for r in report["results"]] == ["auto", "lookup"]
+    assert all(r["mismatches"] == 0 for r in report["results"])
+    assert out1 == ""

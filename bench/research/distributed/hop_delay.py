@@ -1,0 +1,48 @@
+"""`redrafter-mlx bench` on a model split over ranks, with a delay added to
+every hop of the pipeline, standing for a slower link than this machine's
+loopback. Start it with mlx.launch like the command itself:
+
+    mlx.launch --backend ring -n 2 --python "$(which python3)" bench/research/distributed/hop_delay.py \
+        --delay-ms 2 -- --prompts data/prompts/heldout.jsonl --num-prompts 8 --max-tokens 128 --configs auto --json OUT
+
+The delay: the rank that receives a stage's hidden states waits for them,
+then sleeps --delay-ms before going on, so every pass (plain or
+verification) pays it once per hop. This forces the wait inside the pass,
+which a real link does not; both methods pay that alike.
+"""
+
+import argparse
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+sys.path.insert(0, ROOT)
+
+import redrafter_mlx  # noqa: E402,F401  (OpenBLAS before mlx)
+import mlx.core as mx  # noqa: E402
+
+import cli  # noqa: E402
+from redrafter_mlx.engine import distributed  # noqa: E402
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--delay-ms", type=float, required=True)
+    args, rest = parser.parse_known_args()
+    rest = [a for a in rest if a != "--"]
+    delay = args.delay_ms / 1000
+    receive = mx.distributed.recv_like
+
+    def slow_receive(x, src, *a, **k):
+        y = receive(x, src, *a, **k)
+        mx.eval(y)
+        time.sleep(delay)
+        return y
+
+    distributed.mx.distributed.recv_like = slow_receive  # the stages' receive, and mlx-lm's pipeline's
+    cli.main(["bench", *rest])
+
+
+if __name__ == "__main__":
+    main()
