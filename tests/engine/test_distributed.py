@@ -64,7 +64,7 @@ def folders(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("split")
     paths = {}
-    for kind in ("llama", "qwen2"):
+    for kind in ("llama", "qwen2", "gemma3"):
         model = tiny_model(kind, seed=4)
         save_model(root / kind, model)
         save_config({k: v for k, v in vars(model.args).items() if v is not None}, root / kind / "config.json")
@@ -97,6 +97,18 @@ def test_a_split_model_decodes_as_one_process_does(folders, tmp_path, kind, spli
     assert (code0, code1) == (0, 0), err0 + err1
     assert token_lists(out0) == expected
     assert out1 == ""  # only rank 0 writes
+
+
+def test_three_ranks_split_a_sliding_window_model_as_one_process_decodes(folders, tmp_path):
+    """gemma3 (three layers, sliding-window masks read from caches by
+    index), one layer per rank."""
+    args = ["generate", "--model", folders["gemma3"], "--drafter", folders["drafter"], "--prompts", folders["prompts"], "--batch-size", 3,
+            "--max-tokens", 32, "--max-nodes", 8]
+    alone = run_cli(*args)
+    assert alone.returncode == 0, alone.stderr
+    results = launch(tmp_path, [args] * 3)
+    assert [code for code, _, _ in results] == [0, 0, 0], "".join(err for _, _, err in results)
+    assert token_lists(results[0][1]) == token_lists(alone.stdout)
 
 
 def test_the_default_model_in_two_stages_equals_one_process(tmp_path):
