@@ -257,10 +257,19 @@ def serve(args):
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     if args.prompt_cache_mb < 0 or args.shutdown_timeout < 0 or args.keep_alive <= 0:
         fail("--prompt-cache-mb and --shutdown-timeout take 0 or more, --keep-alive more than 0")
+    ranks = join_ranks(args)
+    if ranks is not None and ranks.rank > 0:  # the HTTP server is rank 0's; this rank follows its steps
+        from redrafter_mlx.serving.scheduler import follow
+
+        redrafter, tokenizer = load_pair(args, ranks)
+        redrafter.answers = answer_store(args.answer_store_mb)
+        follow(redrafter, tokenizer.eos_token_ids, draft, args.max_batch)
+        ranks.end()
+        return
     sock = listen(args.host, args.port)
     if api_key is None and not is_loopback(args.host):
         print(f"warning: serving beyond this machine ({args.host}) with no API key: anyone who can reach it may use it (--api-key)", file=sys.stderr)
-    redrafter, tokenizer = load_pair(args)
+    redrafter, tokenizer = load_pair(args, ranks)
     redrafter.answers = answer_store(args.answer_store_mb)
     name = os.path.basename(args.model.rstrip("/")) if args.model else "SmolLM2-135M-Instruct"
     print("measuring this machine's verification cost (cached after the first time)...", file=sys.stderr)
@@ -268,6 +277,8 @@ def serve(args):
                cache_bytes=int(args.prompt_cache_mb * 2**20), max_body_bytes=args.max_body_bytes, prompt_log=log,
                api_key=api_key, max_queue=args.max_queue, shutdown_timeout=args.shutdown_timeout, keep_alive=args.keep_alive,
                announce=lambda line: print(line, file=sys.stderr))
+    if ranks is not None:
+        ranks.end()
 
 
 def is_loopback(host: str) -> bool:
@@ -425,7 +436,7 @@ def build_parser() -> Parser:
     p.add_argument("--max-tokens", "-n", type=at_least(0), default=512, help="most new tokens per answer (512)")
     p.add_argument("--system-prompt", help="system message at the start of the conversation")
 
-    p = command(serve, MODEL, DRAFTER, DRAFTING, PROMPT_LOG, ANSWERS)
+    p = command(serve, MODEL, DRAFTER, DRAFTING, PROMPT_LOG, ANSWERS, SPLIT)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1; 0.0.0.0 serves other machines too)")
     p.add_argument("--port", type=int, default=8080, help="port (8080)")
     p.add_argument("--max-batch", type=at_least(1), default=8, help="requests decoded together; more wait their turn (8)")

@@ -35,6 +35,7 @@ the surviving processes with one error line and exit status 1.
 import hashlib
 import json
 import os
+import pickle
 import socket
 import sys
 import threading
@@ -82,6 +83,15 @@ class Ranks:
         values = np.asarray(values, np.float32)
         mine = values if self.rank == 0 else np.zeros_like(values)
         return np.array(mx.distributed.all_sum(mx.array(mine), group=self.group, stream=mx.cpu))
+
+    def broadcast(self, obj=None):
+        """Rank 0's ``obj`` (anything picklable) on every rank; the others
+        pass nothing. Synchronises (two sums: the length, then the bytes)."""
+        data = pickle.dumps(obj) if self.rank == 0 else b""
+        size = int(self.first([len(data)])[0])
+        mine = np.frombuffer(data, np.uint8).astype(np.int32) if self.rank == 0 else np.zeros(size, np.int32)
+        every = mx.distributed.all_sum(mx.array(mine), group=self.group, stream=mx.cpu)
+        return pickle.loads(np.array(every).astype(np.uint8).tobytes())
 
     def check_same(self, what: str, text: str) -> None:
         """Refuse to start unless every rank has the same ``text``."""

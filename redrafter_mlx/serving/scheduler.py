@@ -98,7 +98,11 @@ class Scheduler:
         self.max_batch, self.max_queue = max_batch, max_queue
         self.metrics = metrics or Metrics()
         self.closed = False
-        self.store = PromptCacheStore(cache_bytes)
+        # A model split over ranks: the other ranks make the same decoder
+        # calls (``follow``), told what they are at every iteration.
+        self.ranks = redrafter.base.ranks
+        self.reset_next = False
+        self.store = PromptCacheStore(0 if self.ranks else cache_bytes)  # no prompt caches when split
         self.incoming: queue.Queue = queue.Queue()
         self.ids = itertools.count()
         self.choosers: dict = {}
@@ -180,11 +184,13 @@ class Scheduler:
                 except queue.Empty:
                     break
             if None in self.waiting:
+                self._tell(stop=True)
                 # A plain step may still be computing ahead; the process may
                 # exit right after this thread does.
                 mx.synchronize()
                 return
             if END in self.waiting:
+                self._tell(reset=True)
                 self._end_all()
                 continue
             leaving = [row for row, t in self.active.items() if t.cancelled and row not in self.decoder.leaving]
@@ -194,12 +200,19 @@ class Scheduler:
             room = max(self.max_batch - sum(1 for t in self.active.values() if not t.cancelled), 0)
             waiting = [t for t in self.waiting if not t.cancelled]
             joining, self.waiting = waiting[:room], waiting[room:]
+            self._tell(leave=leaving, join=[(t.request.prompt, t.request.max_tokens, t.id, t.request.sampling) for t in joining])
             try:
                 if joining:
                     self._join(joining)
                 self._deliver(self.decoder.step())
             except Exception as e:  # one failure must not stop the server
                 self._fail(f"{type(e).__name__}: {e}", joining)
+
+    def _tell(self, stop: bool = False, reset: bool = False, leave=(), join=()) -> None:
+        """What this iteration does, for the other ranks of a split model."""
+        if self.ranks is not None:
+            self.ranks.broadcast(dict(stop=stop, reset=reset or self.reset_next, leave=list(leave), join=list(join)))
+            self.reset_next = False
 
     def _end_all(self) -> None:
         for ticket in list(self.active.values()) + [t for t in self.waiting if t is not END]:
@@ -257,3 +270,45 @@ class Scheduler:
         self.active.clear()
         self.choosers.clear()
         self.decoder = self._new_decoder()
+        self.reset_next = True
+
+
+def follow(redrafter: ReDrafter, eos_token_ids, draft: DraftSettings, max_batch: int) -> None:
+    """``serve`` on a rank other than 0 of a split model: make the decoder
+    calls rank 0's scheduler makes, as it tells them at every iteration,
+    until it stops. Every rank then runs the same passes, and rank 0
+    answers the requests. A failure here that rank 0 did not also have
+    would leave the ranks apart: it ends this process (and, through the
+    heartbeat, the others)."""
+    ranks = redrafter.base.ranks
+    scheduler = Scheduler(redrafter, eos_token_ids, draft, max_batch)
+    scheduler.calibrate()
+    rows, failed = {}, None  # decoder row -> request id
+    while True:
+        plan = ranks.broadcast()
+        if plan["stop"]:
+            mx.synchronize()
+            return
+        if plan["reset"]:
+            scheduler.decoder, failed = scheduler._new_decoder(), None
+            scheduler.choosers.clear()
+            rows.clear()
+        if failed is not None:
+            raise RuntimeError(f"this rank failed a step that rank 0 did not ({failed})")
+        decoder = scheduler.decoder
+        try:
+            decoder.leave(plan["leave"])
+            outputs = []
+            if plan["join"]:
+                for _, _, request_id, sampling in plan["join"]:
+                    scheduler.choosers[request_id] = make_chooser(sampling)
+                prompts, limits, ids, _ = zip(*plan["join"])
+                outputs = decoder.join(list(prompts), list(limits), list(ids), None)
+                for request_id, out in zip(ids, outputs[len(outputs) - len(ids) :]):
+                    rows[out.row] = request_id
+            outputs += decoder.step()
+        except Exception as e:  # rank 0 fails the same way, and says reset next
+            failed = f"{type(e).__name__}: {e}"
+            continue
+        for row in [r for r in rows if r not in decoder.rows]:
+            scheduler.choosers.pop(rows.pop(row), None)

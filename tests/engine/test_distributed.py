@@ -11,7 +11,7 @@ import sys
 import time
 
 import pytest
-from conftest import ROOT, run_cli, save_word_tokenizer, tiny_drafter, tiny_model
+from conftest import ROOT, run_cli, save_word_tokenizer, start_server, stop_server, tiny_drafter, tiny_model
 
 from redrafter_mlx.drafting.drafter import save_drafter
 
@@ -29,10 +29,8 @@ def free_ports(n: int) -> list[int]:
     return ports
 
 
-def launch(tmp_path, per_rank_args: list, kill_rank_after=None) -> list[tuple[int, str, str]]:
-    """Run one process per entry of ``per_rank_args`` as ranks of a ring;
-    returns each one's (exit status, stdout, stderr). ``kill_rank_after``:
-    (rank, seconds) to kill that rank with SIGKILL."""
+def start_ranks(tmp_path, per_rank_args: list) -> list:
+    """One process per entry of ``per_rank_args``, as ranks of a ring."""
     hostfile = tmp_path / f"hosts-{time.monotonic_ns()}.json"
     hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in free_ports(len(per_rank_args))]))
     processes = []
@@ -40,6 +38,14 @@ def launch(tmp_path, per_rank_args: list, kill_rank_after=None) -> list[tuple[in
         env = dict(os.environ, PYTHONPATH=ROOT, MLX_RANK=str(rank), MLX_HOSTFILE=str(hostfile))
         processes.append(subprocess.Popen([sys.executable, "-m", "redrafter_mlx.cli", *map(str, args)], cwd=ROOT, env=env,
                                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    return processes
+
+
+def launch(tmp_path, per_rank_args: list, kill_rank_after=None) -> list[tuple[int, str, str]]:
+    """Run one process per entry of ``per_rank_args`` as ranks of a ring;
+    returns each one's (exit status, stdout, stderr). ``kill_rank_after``:
+    (rank, seconds) to kill that rank with SIGKILL."""
+    processes = start_ranks(tmp_path, per_rank_args)
     if kill_rank_after is not None:
         rank, seconds = kill_rank_after
         time.sleep(seconds)
@@ -156,3 +162,46 @@ def test_bench_compares_plain_pipelined_decoding_with_redrafter_in_the_same_spli
     assert [r["config"] for r in report["results"]] == ["auto", "lookup"]
     assert all(r["mismatches"] == 0 for r in report["results"])
     assert out1 == ""
+
+
+def test_serve_answers_from_rank_0_as_one_process_does_and_stops_every_rank(folders, tmp_path):
+    """Two requests at once (continuous batching across the split), greedy,
+    equal to a one-process server's answers; SIGTERM to rank 0 ends both."""
+    import httpx
+    from concurrent.futures import ThreadPoolExecutor
+
+    options = ["--model", folders["llama"], "--drafter", folders["drafter"], "--max-batch", 2, "--max-nodes", 8]
+    bodies = [{"model": "m", "prompt": "w5 w6 w7 w5 w6 w7 w5", "max_tokens": 24, "temperature": 0},
+              {"model": "m", "prompt": "w9 w10 w11", "max_tokens": 20, "temperature": 0}]
+
+    def answers(url):
+        with ThreadPoolExecutor(2) as pool:
+            replies = list(pool.map(lambda b: httpx.post(f"{url}/v1/completions", json=b, timeout=120), bodies))
+        assert all(r.status_code == 200 for r in replies), [r.text for r in replies]
+        return [r.json()["choices"][0]["text"] for r in replies]
+
+    process, url, _ = start_server(*options)
+    try:
+        expected = answers(url)
+    finally:
+        stop_server(process)
+    port = free_ports(1)[0]
+    ranks = start_ranks(tmp_path, [["serve", "--port", port, *options]] * 2)
+    url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + TIMEOUT
+    try:
+        while True:
+            try:
+                if httpx.get(f"{url}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert all(p.poll() is None for p in ranks) and time.monotonic() < deadline, "the split server did not start"
+            time.sleep(0.2)
+        assert answers(url) == expected
+        assert answers(url) == expected  # the same rows again, after the first ones left the batch
+        ranks[0].send_signal(signal.SIGTERM)
+        codes = [p.wait(timeout=60) for p in ranks]
+        assert codes == [0, 0], [p.communicate()[1] for p in ranks]
+    finally:
+        for p in ranks:
+            p.kill()
