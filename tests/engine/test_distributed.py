@@ -64,13 +64,13 @@ def launch(tmp_path, per_rank_args: list, kill_rank_after=None) -> list[tuple[in
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
-    """mlx-lm folders of tiny random llama and qwen2 models, and a random
-    drafter for them."""
+    """mlx-lm folders of tiny random models (dense, hybrid, experts), and a
+    random drafter for them."""
     from mlx_lm.utils import save_config, save_model
 
     root = tmp_path_factory.mktemp("split")
     paths = {}
-    for kind in ("llama", "qwen2", "gemma3"):
+    for kind in ("llama", "qwen2", "gemma3", "qwen3_next", "lfm2", "mixtral"):
         model = tiny_model(kind, seed=4)
         save_model(root / kind, model)
         save_config({k: v for k, v in vars(model.args).items() if v is not None}, root / kind / "config.json")
@@ -88,7 +88,12 @@ def token_lists(stdout: str) -> list:
     return [json.loads(line)["tokens"] for line in stdout.splitlines() if line.strip()]
 
 
-@pytest.mark.parametrize("kind, split, nodes", [("llama", "pipeline", 8), ("qwen2", "pipeline", 8), ("llama", "tensor", 8), ("llama", "pipeline", None)])
+@pytest.mark.parametrize("kind, split, nodes", [
+    ("llama", "pipeline", 8), ("qwen2", "pipeline", 8), ("llama", "tensor", 8), ("llama", "pipeline", None),
+    ("qwen3_next", "pipeline", 8),  # a hybrid through mlx-lm's pipeline()
+    ("lfm2", "pipeline", 8),  # a hybrid through this package's stages
+    ("mixtral", "pipeline", 8),  # experts
+])
 def test_a_split_model_decodes_as_one_process_does(folders, tmp_path, kind, split, nodes):
     """Greedy output, a batch of three prompts of different lengths, drafted
     by the RNN and by lookup in 8-node trees (given, or a split run's
@@ -98,7 +103,7 @@ def test_a_split_model_decodes_as_one_process_does(folders, tmp_path, kind, spli
     alone = run_cli(*args)
     assert alone.returncode == 0, alone.stderr
     expected = token_lists(alone.stdout)
-    assert len(expected) == 3 and all(len(t) > 8 for t in expected)
+    assert len(expected) == 3 and sum(map(len, expected)) > 24
     (code0, out0, err0), (code1, out1, err1) = launch(tmp_path, [args + ["--split", split]] * 2)
     assert (code0, code1) == (0, 0), err0 + err1
     assert token_lists(out0) == expected
@@ -137,8 +142,8 @@ def test_a_killed_rank_ends_the_others_with_an_error(folders, tmp_path):
     (code0, _, err0), (code1, _, _) = launch(tmp_path, [args] * 2, kill_rank_after=(1, 8))
     assert code1 == -signal.SIGKILL
     assert code0 == 1
-    # Our line (MLX's own transport may add one of its own).
-    assert any(line.startswith("error: ") for line in err0.splitlines()), err0
+    # Our line (MLX's own transport may write one of its own, even on the same line).
+    assert "error: " in err0, err0
     assert "Traceback" not in err0
     assert time.monotonic() - tic < 60
 
