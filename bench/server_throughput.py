@@ -142,15 +142,18 @@ def main() -> None:
                 f"(median latency {row['median_latency_s_mlx_lm']:.1f} s): {row['ratio']:.2f}x; same text: {row['same_text']}",
                 flush=True,
             )
+        if args.json:
+            summary = {"command": " ".join(sys.argv), "machine": f"{platform.machine()} {platform.system()}, float32 on the CPU unless Metal, OpenBLAS for both",
+                       "levels": rows}
+            with open(args.json, "w") as f:
+                f.write(json.dumps(summary, indent=1) + "\n")
     finally:
         for process, _ in servers.values():
             process.send_signal(signal.SIGINT)
-            process.wait(30)
-    if args.json:
-        summary = {"command": " ".join(sys.argv), "machine": f"{platform.machine()} {platform.system()}, float32 on the CPU unless Metal, OpenBLAS for both",
-                   "levels": rows}
-        with open(args.json, "w") as f:
-            f.write(json.dumps(summary, indent=1) + "\n")
+            try:
+                process.wait(30)
+            except subprocess.TimeoutExpired:  # mlx_lm.server may not stop on SIGINT while a request thread lingers
+                process.kill()
 
 
 if __name__ == "__main__":

@@ -8,9 +8,11 @@ Two splits:
   the hidden states from the rank after it and sends its own to the rank
   before it, and an all-gather at the end gives every rank rank 0's output,
   so every rank has the logits. Models with mlx-lm's own ``pipeline()``
-  (qwen2, qwen3_5, ...) use it; for the others the layers outside a rank's
-  range become ``Skip`` layers, which keeps every layer's index (models
-  such as gemma3 read their masks from caches by index).
+  (qwen2, qwen3_next, ...) use it; for the others the layers outside a
+  rank's range become ``Skip`` layers, which keeps every layer's index
+  (models such as gemma3 read their masks from caches by index), and the
+  edge layers and the backbone get subclasses that receive, send and
+  gather (``make_stage``, ``gather_output``), so no parameter is renamed.
 - **tensor**: mlx-lm's ``shard()``, each matmul split over all ranks, where
   the model has it and its heads divide.
 
@@ -39,7 +41,6 @@ import pickle
 import socket
 import sys
 import threading
-import time
 from dataclasses import dataclass
 from typing import Optional
 

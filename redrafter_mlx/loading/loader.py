@@ -66,7 +66,7 @@ def _load_mlx_lm(path: str, dtype: Optional[str], quantize: Optional[int], ranks
     import mlx_lm
 
     try:
-        model, tokenizer = mlx_lm.load(path, lazy=True)
+        model, tokenizer = mlx_lm.load(path, lazy=ranks is not None)  # split: only this rank's part is ever read
     except Exception as e:  # mlx-lm raises many types for a bad folder or id
         raise UserError(f"cannot load model {path}: {e}") from None
     if ranks is not None:

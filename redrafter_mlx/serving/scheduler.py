@@ -298,15 +298,14 @@ def follow(redrafter: ReDrafter, eos_token_ids, draft: DraftSettings, max_batch:
         decoder = scheduler.decoder
         try:
             decoder.leave(plan["leave"])
-            outputs = []
             if plan["join"]:
                 for _, _, request_id, sampling in plan["join"]:
                     scheduler.choosers[request_id] = make_chooser(sampling)
                 prompts, limits, ids, _ = zip(*plan["join"])
-                outputs = decoder.join(list(prompts), list(limits), list(ids), None)
-                for request_id, out in zip(ids, outputs[len(outputs) - len(ids) :]):
+                joined = decoder.join(list(prompts), list(limits), list(ids), None)
+                for request_id, out in zip(ids, joined[len(joined) - len(ids) :]):
                     rows[out.row] = request_id
-            outputs += decoder.step()
+            decoder.step()
         except Exception as e:  # rank 0 fails the same way, and says reset next
             failed = f"{type(e).__name__}: {e}"
             continue
