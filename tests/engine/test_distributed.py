@@ -110,6 +110,17 @@ def test_a_split_model_decodes_as_one_process_does(folders, tmp_path, kind, spli
     assert out1 == ""  # only rank 0 writes
 
 
+def test_seeded_sampling_in_a_split_gives_one_process_tokens(folders, tmp_path):
+    """Sampling stays exact: with a seed, the tokens are one process's."""
+    args = ["generate", "--model", folders["llama"], "--drafter", folders["drafter"], "--prompts", folders["prompts"], "--batch-size", 3,
+            "--max-tokens", 32, "--max-nodes", 8, "--temp", 0.8, "--seed", 5]
+    alone = run_cli(*args)
+    assert alone.returncode == 0, alone.stderr
+    (code0, out0, err0), (code1, _, err1) = launch(tmp_path, [args] * 2)
+    assert (code0, code1) == (0, 0), err0 + err1
+    assert token_lists(out0) == token_lists(alone.stdout)
+
+
 def test_three_ranks_split_a_sliding_window_model_as_one_process_decodes(folders, tmp_path):
     """gemma3 (three layers, sliding-window masks read from caches by
     index), one layer per rank."""
