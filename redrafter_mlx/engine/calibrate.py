@@ -91,7 +91,7 @@ def cost_curve(redrafter: ReDrafter, batch_size: int, beam_shape: Optional[tuple
     when missing (or unreadable) and whenever ``refresh``."""
     if redrafter.base.ranks is not None:
         # Split over ranks: hops included, measured on every start, the same on every rank.
-        return measure(redrafter, batch_size, beam_shape if redrafter.drafter is not None else None)
+        return measure(redrafter, batch_size, beam_shape)
     key = curve_key(redrafter, batch_size)
     draft_key = None
     if beam_shape and redrafter.drafter is not None:
