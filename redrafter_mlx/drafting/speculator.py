@@ -17,9 +17,11 @@ off while the cheap drafts alone do better, and tried again now and then.
 
 A run that does not gain turns to plain decoding: when the budget verified
 nothing for a few steps in a row, or when the last ``WINDOW`` drafting
-steps produced fewer tokens per wall second than plain steps would (one
-token per row at the curve's cost of one node, scaled by how real steps
-compare with the curve). It drafts again after ``PLAIN_STEPS`` steps.
+steps produced fewer tokens per second of the cost curve than plain steps
+would (one token per row at the curve's cost of one node). Real steps are
+held against the curve elsewhere (the decoder's drift check measures it
+again when they part), so this choice reads no clock: every rank of a
+split model makes it alike. It drafts again after ``PLAIN_STEPS`` steps.
 """
 
 from collections import deque
@@ -74,7 +76,7 @@ class Speculator:
         self.lookup_estimate = None  # running estimated tokens per curve second without the RNN, before such steps ran
         self.measured = {"rnn": None, "lookup": None}  # running (tokens, curve seconds) of the steps of each mode
         self.pending = None  # (mode, seconds on the cost curve) of the step being verified
-        self.window = deque(maxlen=WINDOW)  # (tokens, wall seconds, curve seconds of one node) of recent drafting steps
+        self.window = deque(maxlen=WINDOW)  # (tokens, curve seconds, curve seconds of one node, rows) of recent drafting steps
         self.idle = 0  # steps in a row that verified nothing
         self.plain_left = PLAIN_STEPS if settings.max_nodes == 0 else 0  # plain steps still to run
         self.steps = 0
@@ -183,9 +185,8 @@ class Speculator:
             return tokens / seconds
         return self.lookup_estimate if mode == "lookup" else None
 
-    def observe(self, trees: list, paths: np.ndarray, num_accepted: np.ndarray, seconds: Optional[float] = None) -> None:
-        """After a step: what was accepted (``accept``'s path and counts) and
-        the step's wall seconds (None: not measured)."""
+    def observe(self, trees: list, paths: np.ndarray, num_accepted: np.ndarray) -> None:
+        """After a step: what was accepted (``accept``'s path and counts)."""
         paths, counts = paths.tolist(), num_accepted.tolist()
         self.stats.observe_step(trees, paths, counts)
         if self.history is not None:
@@ -198,17 +199,16 @@ class Speculator:
         self.measured[mode] = (tokens, predicted) if past is None else (m * past[0] + (1 - m) * tokens, m * past[1] + (1 - m) * predicted)
         if self.has_drafter and self.has_cheap_drafts and None not in (self.rate("rnn"), self.rate("lookup")):
             self.rnn_on = self.rate("rnn") >= self.rate("lookup")
-        if seconds is not None:
-            self.window.append((tokens, seconds, predicted, one_node, len(trees)))
+        self.window.append((tokens, predicted, one_node, len(trees)))
         if self.idle >= IDLE_STEPS or self._losing():
             self.plain_left, self.idle = PLAIN_STEPS, 0
             self.window.clear()
 
     def _losing(self) -> bool:
         """Whether the last ``WINDOW`` drafting steps produced fewer tokens
-        per wall second than plain steps would."""
+        per curve second than plain steps would (one token per row each
+        ``one_node`` seconds)."""
         if len(self.window) < WINDOW:
             return False
-        tokens, seconds, predicted, one_node, rows = (sum(column) for column in zip(*self.window))
-        plain_seconds = one_node * seconds / predicted  # a plain step's curve cost, scaled as real steps are
-        return tokens / seconds < rows / plain_seconds
+        tokens, predicted, one_node, rows = (sum(column) for column in zip(*self.window))
+        return tokens * one_node < rows * predicted

@@ -22,7 +22,7 @@ from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 
 from ..errors import UserError
 from .cache import CacheLayout, TreeKVCache
-from .distributed import Ranks, Skip, SkippedCache
+from .distributed import Ranks, Skip, SkippedCache, holds_cache
 from .recurrent import RecurrentCache, install_recorders
 from .rope import install_tree_rope
 
@@ -56,11 +56,7 @@ class BaseModel:
         self.num_layers = len(self.layer_caches)
         # Split over ranks (``engine.distributed``): the layers other ranks run.
         self.ranks = ranks
-        self.skipped = [isinstance(layer, Skip) for layer in model.layers]
-        if not any(self.skipped):
-            self.skipped = [False] * self.num_layers
-        elif len(self.skipped) != self.num_layers:
-            raise UserError(f"cannot split model type {kind} into pipeline stages here: its caches do not follow its layers one to one")
+        self.skipped = self._skipped_caches(model.layers, kind)
         # Models with recurrent layers verify chains, one path per row.
         self.recurrent = any(size is not None for size in self.layer_caches)
         if install_tree_rope(model) == 0 and not self.recurrent:
@@ -91,6 +87,19 @@ class BaseModel:
             else:
                 raise UserError(f"unsupported model type {kind}: layer {i} keeps a {type(c).__name__}, which the engine cannot verify a draft with")
         return sizes
+
+    def _skipped_caches(self, layers: list, kind: str) -> list[bool]:
+        """Per cache, whether its layer is one another rank runs. Caches
+        follow the layers that keep one, in order (not every layer does)."""
+        skipped = [isinstance(layer, Skip) for layer in layers]
+        if not any(skipped):
+            return [False] * self.num_layers
+        if len(layers) == self.num_layers:
+            return skipped
+        owners = [i for i, layer in enumerate(layers) if holds_cache(layer)]
+        if len(owners) != self.num_layers:
+            raise UserError(f"cannot split model type {kind} into pipeline stages here: cannot tell which of its layers keeps which cache")
+        return [skipped[i] for i in owners]
 
     def _probe(self) -> tuple[int, int]:
         """Check hidden -> head reproduces the model's logits; return sizes."""

@@ -118,7 +118,8 @@ class Decoder:
     def _check_curve(self, nodes: int, seconds: float) -> None:
         """Compare the step just run with its curve; a curve that drifted is
         dropped from the disk cache now, and measured again at the next
-        join (between requests) or by the next process."""
+        join (between requests) or by the next process (in a split, where
+        rank 0 found it drifting)."""
         if self.speculator.pending is None or self.fixed_curve is not None:
             return
         size = self.curve_size(len(self.tracker.rows))
@@ -145,6 +146,9 @@ class Decoder:
             if c is not None:
                 c.check(self.redrafter.identity, base.num_layers)
         ready = self._resolve_ahead()
+        ranks = base.ranks
+        if ranks is not None:  # the curves rank 0's steps found drifting are measured again on every rank
+            self.stale = set(ranks.broadcast(sorted(self.stale) if ranks.rank == 0 else None))
         for size in self.stale:
             self.costs.pop(size, None)  # measured again on its next use, before the step's clock starts
         joining = [self.tracker.add(p, m, i) for p, m, i in zip(prompts, limits, ids)]
@@ -161,6 +165,7 @@ class Decoder:
         if self.profile is not None:
             self.profile.lap("prefill")
         rnn = None if rnn is None else [np.array(a) for a in rnn]
+        _, (first, rnn) = self._settle(None, (np.array(first), rnn))
         if self.layout is None:
             self.layout, self.cache, self.rnn = layout, cache, rnn
         else:
@@ -169,7 +174,7 @@ class Decoder:
                 self.rnn = [np.concatenate([a, b]) for a, b in zip(self.rnn, rnn)]
         self.tracker.rows += joining
         at_root = np.zeros((len(joining), 1), np.int64)
-        return ready + self._finished(self.tracker.emit([[t] for t in np.array(first).tolist()], rows=joining, logprobs=logprob_lists(logprobs, at_root)))
+        return ready + self._finished(self.tracker.emit([[t] for t in first.tolist()], rows=joining, logprobs=logprob_lists(logprobs, at_root)))
 
     def leave(self, rows: Sequence[int]) -> None:
         """Take prompts out of the batch before the next step."""
@@ -245,9 +250,9 @@ class Decoder:
         mx.eval(step.num_accepted, step.tokens, step.path, rnn, logprobs, [c.state_arrays() for c in self.cache])
         if profile is not None:
             profile.lap("drafting")
-        self.rnn = None if rnn is None else [np.array(a) for a in rnn]
-
-        num_accepted, path = np.array(step.num_accepted), np.array(step.path)
+        rnn = None if rnn is None else [np.array(a) for a in rnn]
+        seconds, (num_accepted, path, tokens, self.rnn) = self._settle(
+            tic, (np.array(step.num_accepted), np.array(step.path), np.array(step.tokens), rnn))
         # Known on the host now: only what was accepted, and only what is out
         # of place, is copied (lazily, evaluated with the next pass).
         for c in self.cache:
@@ -255,23 +260,23 @@ class Decoder:
         if profile is not None:
             profile.lap("commit", [c.state_arrays() for c in self.cache])
             profile.steps += 1
-        seconds = self._seconds_since(tic)
-        self.speculator.observe(trees, path, num_accepted, seconds)
+        self.speculator.observe(trees, path, num_accepted)
         self._check_curve(max(tree.num_nodes), seconds)
         self.layout.commit(num_accepted + 1)
-        tokens = np.array(step.tokens)
         outputs = tracker.emit(
             [tokens[i, : n + 1].tolist() for i, n in enumerate(num_accepted)], num_accepted.tolist(), tree.num_nodes,
             logprobs=logprob_lists(logprobs, path),
         )
         return self._finished(outputs)
 
-    def _seconds_since(self, tic: float) -> float:
-        """The step's wall seconds; a model split over ranks takes rank 0's,
-        so that every rank makes the same timing-based choices."""
-        seconds = time.perf_counter() - tic
+    def _settle(self, tic: Optional[float], results):
+        """The step's wall seconds since ``tic`` (0 without one), and its
+        ``results`` (numpy arrays): rank 0's where ranks of a split model
+        may round differently (``Ranks.settle``), so that every rank commits
+        the same path."""
+        seconds = 0.0 if tic is None else time.perf_counter() - tic
         ranks = self.redrafter.base.ranks
-        return seconds if ranks is None else float(ranks.first([seconds])[0])
+        return seconds, results if ranks is None or ranks.alike else ranks.settle(results)
 
     def _choose(self, logits: mx.array, history: TokenHistory):
         """The choice at every node (B, N) and, when the chooser reports
@@ -327,11 +332,12 @@ class Decoder:
         if profile is not None:
             profile.lap("verification")
             profile.steps += 1
-        self.rnn = None if rnn is None else [np.array(a) for a in rnn]
+        rnn = None if rnn is None else [np.array(a) for a in rnn]
+        seconds, (token, self.rnn) = self._settle(tic, (np.array(token), rnn))
         batch = len(roots)
-        zeros, seconds = np.zeros(batch, np.int64), self._seconds_since(tic)
-        self.speculator.observe(trees, zeros[:, None], zeros, seconds)
-        return tracker.emit([[t] for t in np.array(token).tolist()], [0] * batch, [1] * batch, logprobs=logprob_lists(logprobs, zeros[:, None]))
+        zeros = np.zeros(batch, np.int64)
+        self.speculator.observe(trees, zeros[:, None], zeros)
+        return tracker.emit([[t] for t in token.tolist()], [0] * batch, [1] * batch, logprobs=logprob_lists(logprobs, zeros[:, None]))
 
     def _resolve_ahead(self) -> list[StepOutput]:
         """Read the pass issued ahead, if any (prompts are about to join the

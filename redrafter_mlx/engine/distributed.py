@@ -18,10 +18,14 @@ Two splits:
 
 Speculation on top: every rank runs the same step on the same logits, so
 every rank drafts the same tree and accepts the same path, with nothing
-sent but the model's own traffic. What could make ranks differ is time: the
-budget, the floor and the curve's drift check read seconds, so those are
-rank 0's (``Ranks.first``), and the cost curve is measured in the split
-setting (hops included) at every start, with rank 0's timings.
+sent but the model's own traffic. Ranks that may round differently (other
+chips or builds, found at start) also compare each step's results and
+take rank 0's where they differ (``Ranks.settle``). Time could also set
+ranks apart, so no choice a step makes reads a clock (the budget and the
+floor read the cost curve); the curve is measured in the split setting
+(hops included) at every start with rank 0's timings (``Ranks.first``),
+and when rank 0's steps drift from it, rank 0 says so at the next join,
+where every rank measures it again.
 
 Every collective must be evaluated by every rank: an output that one rank
 drops (a prefill's last hidden states) while another rank's next pass
@@ -38,6 +42,7 @@ import hashlib
 import json
 import os
 import pickle
+import platform
 import socket
 import sys
 import threading
@@ -48,10 +53,13 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from ..blas import blas_name
 from ..errors import UserError
 from .cache import TreeKVCache
+from .recurrent import takes_cache
 
 SPLITS = ("pipeline", "tensor")
+BROADCAST_BYTES = 4096  # what the first sum of a broadcast carries
 BEAT_SECONDS = 0.5  # each side writes a byte this often
 SILENCE_SECONDS = 15.0  # a peer silent this long is taken as gone
 BYE = b"x"  # a peer that ends normally says so first
@@ -69,6 +77,8 @@ class Ranks:
     group: "mx.distributed.Group"
     split: str
     heartbeat: Optional["Heartbeat"] = None
+    alike: bool = True  # every rank rounds as rank 0 does (see settle)
+    resent: int = 0  # steps whose results rank 0 had to send (see settle)
 
     @property
     def rank(self) -> int:
@@ -85,26 +95,123 @@ class Ranks:
         mine = values if self.rank == 0 else np.zeros_like(values)
         return np.array(mx.distributed.all_sum(mx.array(mine), group=self.group, stream=mx.cpu))
 
+    def _sum(self, words: np.ndarray) -> np.ndarray:
+        """An all-sum of int32 words (exact: every rank but one adds zeros)."""
+        return np.array(mx.distributed.all_sum(mx.array(words), group=self.group, stream=mx.cpu))
+
     def broadcast(self, obj=None):
         """Rank 0's ``obj`` (anything picklable) on every rank; the others
-        pass nothing. Synchronises (two sums: the length, then the bytes)."""
+        pass nothing. Synchronises: one sum of BROADCAST_BYTES when the
+        pickled object fits in it (with its length), a second for the rest."""
         data = pickle.dumps(obj) if self.rank == 0 else b""
-        size = int(self.first([len(data)])[0])
-        mine = np.frombuffer(data, np.uint8).astype(np.int32) if self.rank == 0 else np.zeros(size, np.int32)
-        every = mx.distributed.all_sum(mx.array(mine), group=self.group, stream=mx.cpu)
-        return pickle.loads(np.array(every).astype(np.uint8).tobytes())
+        head = np.zeros(BROADCAST_BYTES // 4, np.int32)
+        if self.rank == 0:
+            head[0] = len(data)
+            part = data[: BROADCAST_BYTES - 4]
+            head.view(np.uint8)[4 : 4 + len(part)] = np.frombuffer(part, np.uint8)
+        head = self._sum(head)
+        size = int(head[0])
+        received = head.view(np.uint8)[4 : 4 + size].tobytes()
+        rest = size - len(received)
+        if rest > 0:
+            tail = np.zeros(-(-rest // 4), np.int32)
+            if self.rank == 0:
+                tail.view(np.uint8)[:rest] = np.frombuffer(data[len(received) :], np.uint8)
+            received += self._sum(tail).view(np.uint8)[:rest].tobytes()
+        return pickle.loads(received)
+
+    def settle(self, results):
+        """Rank 0's step ``results`` (numpy arrays, in lists or tuples, None
+        allowed) on every rank, for ranks that are not ``alike``.
+
+        Every rank computes its own step from the same gathered hidden
+        states, so alike ranks agree bit for bit and send nothing. Ranks
+        that round differently (other chips, other builds) may choose or
+        draft other tokens near a tie, or other draft probabilities in the
+        last bits: each step they compare digests of their results in one
+        small all-sum, and where they differ rank 0 sends its own (one more
+        all-sum of their bytes) and the others take them, so every rank
+        commits the same path and drafts the next tree alike. Synchronises."""
+        slots = np.zeros((self.size, 4), np.float32)
+        slots[self.rank] = digest(results) + digest(results, values=False)
+        digests = np.array(mx.distributed.all_sum(mx.array(slots), group=self.group, stream=mx.cpu))
+        if (digests == digests[0]).all():
+            return results
+        if not (digests[self.rank] == digests[0]).all() and not self.resent:
+            print(f"note: rank {self.rank} computed a step differently from rank 0 (ranks on different chips or MLX builds round "
+                  "differently); it takes rank 0's step whenever that happens", file=sys.stderr, flush=True)
+        self.resent += 1
+        if (digests[:, 2:] == digests[0, 2:]).all():  # the same shapes everywhere
+            return self._send_values(results)
+        return self.broadcast(results if self.rank == 0 else None)
+
+    def _send_values(self, results):
+        """Rank 0's arrays in the place of this rank's own, which have the
+        same shapes and types: one all-sum of their bytes (as int32, the
+        other ranks adding zeros)."""
+        arrays = [np.ascontiguousarray(a) for a in flat(results)]
+        data = b"".join(a.tobytes() for a in arrays)
+        data += b"\0" * (-len(data) % 4)
+        data = self._sum(np.frombuffer(data, np.int32) if self.rank == 0 else np.zeros(len(data) // 4, np.int32)).tobytes()
+        offset, theirs = 0, []
+        for a in arrays:
+            theirs.append(np.frombuffer(data, a.dtype, a.size, offset).reshape(a.shape).copy())
+            offset += a.nbytes
+        return unflat(results, iter(theirs))
+
+    def differing(self, text: str) -> list[int]:
+        """The ranks whose ``text`` is not rank 0's. Synchronises."""
+        digest = int(hashlib.sha256(text.encode()).hexdigest()[:6], 16)  # exact in float32
+        every = np.array(mx.distributed.all_gather(mx.array([digest], mx.float32), group=self.group, stream=mx.cpu))
+        return [r for r, d in enumerate(every.tolist()) if int(d) != int(every[0])]
 
     def check_same(self, what: str, text: str) -> None:
         """Refuse to start unless every rank has the same ``text``."""
-        digest = int(hashlib.sha256(text.encode()).hexdigest()[:6], 16)  # exact in float32
-        every = np.array(mx.distributed.all_gather(mx.array([digest], mx.float32), group=self.group, stream=mx.cpu))
-        differing = [r for r, d in enumerate(every.tolist()) if int(d) != int(every[0])]
+        differing = self.differing(text)
         if differing:
             raise UserError(f"rank {differing[0]} has another {what} than rank 0; every rank must load the same one")
 
     def end(self) -> None:
         if self.heartbeat is not None:
             self.heartbeat.stop()
+
+
+def digest(results, values: bool = True) -> tuple[int, int]:
+    """48 bits of a hash of numpy arrays (nested in lists or tuples), as two
+    integers a float32 sum carries exactly; ``values=False``: of their
+    shapes and types only."""
+    h = hashlib.sha256()
+
+    def add(value):
+        if isinstance(value, (list, tuple)):
+            h.update(b"[%d" % len(value))
+            for v in value:
+                add(v)
+        elif value is None:
+            h.update(b"-")
+        else:
+            a = np.ascontiguousarray(value)
+            h.update(f"{a.dtype}{a.shape}".encode())
+            if values:
+                h.update(a.tobytes())
+
+    add(results)
+    d = h.digest()
+    return int.from_bytes(d[:3], "big"), int.from_bytes(d[3:6], "big")
+
+
+def flat(results) -> list:
+    """The arrays in ``results`` (nested lists or tuples, None allowed), in order."""
+    if isinstance(results, (list, tuple)):
+        return [a for r in results for a in flat(r)]
+    return [] if results is None else [results]
+
+
+def unflat(like, arrays):
+    """``like`` with its arrays taken, in order, from the iterator ``arrays``."""
+    if isinstance(like, (list, tuple)):
+        return type(like)(unflat(r, arrays) for r in like)
+    return None if like is None else next(arrays)
 
 
 def join(split: str = "pipeline", silence: float = SILENCE_SECONDS) -> Ranks:
@@ -125,8 +232,20 @@ def join(split: str = "pipeline", silence: float = SILENCE_SECONDS) -> Ranks:
     ranks = Ranks(group, split)
     if ranks.size > 1:
         ranks.heartbeat = Heartbeat(ranks, silence)
+        ranks.alike = not ranks.differing(numerics())
     timer.cancel()
     return ranks
+
+
+def numerics() -> str:
+    """What decides how this process rounds: the machine and its
+    accelerator, the MLX build and BLAS, the threads BLAS splits work over."""
+    try:
+        device = mx.device_info()
+    except (AttributeError, RuntimeError):
+        device = {}
+    return json.dumps([platform.system(), platform.machine(), mx.__version__, str(mx.default_device()), device.get("architecture"),
+                       device.get("device_name"), blas_name(), os.environ.get("OPENBLAS_NUM_THREADS"), os.environ.get("OMP_NUM_THREADS")])
 
 
 def fail(rank, message: str) -> None:
@@ -234,6 +353,14 @@ def rank0_host() -> str:
 # -- splitting a model ----------------------------------------------------------
 
 
+def holds_cache(layer: nn.Module) -> bool:
+    """Whether ``layer`` keeps a cache: one of its parts takes ``cache=``
+    (in nemotron_h, say, the MLP-only layers keep none)."""
+    if isinstance(layer, Skip):
+        return layer.holds_cache
+    return any(isinstance(child, nn.Module) and takes_cache(child) for child in layer.children().values())
+
+
 class Skip(nn.Module):
     """A layer another rank runs: its input passes through unchanged. It
     keeps the layer's plain attributes (such as which mask it takes), none
@@ -244,6 +371,7 @@ class Skip(nn.Module):
         for name, value in vars(layer).items():
             if not name.startswith("_"):
                 object.__setattr__(self, name, value)
+        object.__setattr__(self, "holds_cache", holds_cache(layer))
 
     def __call__(self, x, *args, **kwargs):
         return x

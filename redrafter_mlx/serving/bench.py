@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 from typing import Callable, Optional
 
 import mlx.core as mx
-from mlx_lm.generate import BatchGenerator, generate_step
+from mlx_lm.generate import BatchGenerator, generate_step, generation_stream
 
 from ..blas import blas_name
 from ..drafting.settings import DraftSettings
@@ -177,7 +177,11 @@ def baseline_run(redrafter: ReDrafter, prompts: list, max_tokens: int, choose: C
         for step in autoregressive_steps(redrafter.base, prompts, max_tokens=max_tokens, choose=choose, eos_token_ids=eos):
             for out in step:
                 outputs[out.row] += out.tokens
-    return Run(outputs, time.perf_counter() - tic, peak_memory_gb=mx.get_peak_memory() / 1e9)
+    seconds = time.perf_counter() - tic
+    # mlx-lm's loop leaves a pass in flight on its own stream when it stops
+    # early; on a split model its hops must end before the next run's begin.
+    mx.synchronize(generation_stream)
+    return Run(outputs, seconds, peak_memory_gb=mx.get_peak_memory() / 1e9)
 
 
 def mlx_lm_batch(model, prompts: list, max_tokens: int, eos: list) -> list:

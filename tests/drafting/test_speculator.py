@@ -41,18 +41,17 @@ def test_fixed_budget_keeps_the_most_likely_nodes():
     assert tree.tokens == [2, 7, 1]  # the two depth-1 nodes beat the deeper ones
 
 
-def run_steps(speculator, root, beams, probs, cost, accepted, steps=20, wall=1.0):
+def run_steps(speculator, root, beams, probs, cost, accepted, steps=20):
     """Steps whose trees all accept ``accepted`` drafted tokens (the first
-    nodes after the root, whatever they hold), each taking ``wall`` times
-    the seconds the cost curve gives it. Returns the modes the steps ran in."""
+    nodes after the root, whatever they hold). Returns the modes the steps
+    ran in."""
     modes = []
     for _ in range(steps):
         modes.append(speculator.mode)
         with_rnn = speculator.use_rnn()
         trees = speculator.trees([0], [root], *((beams, probs) if with_rnn else (None, None)), cost=cost)
         n = min(accepted, trees[0].num_nodes - 1)
-        seconds = wall * speculator.pending[1] if speculator.pending else None
-        speculator.observe(trees, np.arange(n + 1)[None], np.array([n]), seconds)
+        speculator.observe(trees, np.arange(n + 1)[None], np.array([n]))
     return modes
 
 
@@ -84,22 +83,21 @@ def test_the_rnn_is_turned_off_when_its_drafts_are_accepted_less_than_estimated(
         with_rnn = speculator.use_rnn()
         (tree,) = speculator.trees([0], [3], *((beams, probs) if with_rnn else (None, None)), cost=cost)
         accepted = [i for i, t in enumerate(tree.tokens) if i and t == 4][:1]  # the lookup's 4, never the RNN's 9
-        speculator.observe([tree], np.array([[0] + accepted]), np.array([len(accepted)]), speculator.pending[1])
+        speculator.observe([tree], np.array([[0] + accepted]), np.array([len(accepted)]))
     assert not speculator.rnn_on
     assert speculator.rate("lookup") > speculator.rate("rnn")
 
 
 @pytest.mark.parametrize("estimates", ["high", "honest"])
 def test_a_run_whose_drafts_are_not_accepted_turns_to_plain_decoding_and_tries_again(estimates):
-    """Nothing drafted is accepted and real steps cost 1.5 times the curve:
-    whether the estimates fall or stay high (a source whose prior claims
+    """Nothing drafted is accepted: whether the estimates fall or stay high (a source whose prior claims
     certainty), within a window of steps the run decodes plainly, and
     tries drafting again now and then."""
     cost = CostCurve([1, 2, 32], [1.0, 1.05, 2.0])
     speculator = tracking(DraftSettings(), False, [[5, 6, 7, 5, 6, 7, 5, 6]])
     if estimates == "high":
         speculator.stats.priors = {("lookup2", d, "greedy"): (1.0, 1e9) for d in range(1, 20)}
-    modes = run_steps(speculator, 6, None, None, cost, accepted=0, steps=200, wall=1.5)
+    modes = run_steps(speculator, 6, None, None, cost, accepted=0, steps=200)
     first_plain = modes.index("plain")
     assert first_plain <= WINDOW
     assert modes[100:].count("plain") >= 70 and "lookup" in modes[100:]

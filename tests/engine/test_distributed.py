@@ -29,23 +29,52 @@ def free_ports(n: int) -> list[int]:
     return ports
 
 
-def start_ranks(tmp_path, per_rank_args: list) -> list:
-    """One process per entry of ``per_rank_args``, as ranks of a ring."""
+# A rank on another kind of chip, which rounds differently, exaggerated: it
+# chooses other tokens than rank 0 at every step, and drafts others (every
+# other search, one beam fewer: a step whose shapes differ too).
+OTHER_CHIP = """
+import itertools
+import sys
+import cli
+from redrafter_mlx.engine import decoder, distributed
+
+distributed.numerics = lambda: "another chip"
+
+choose, search, calls = decoder.Decoder._choose, decoder.Decoder._search, itertools.count()
+
+def other_choice(self, logits, history):
+    choices, logprobs = choose(self, logits, history)
+    return (choices + 1) % logits.shape[-1], logprobs
+
+def other_search(self, hidden, first_tokens):
+    beams, probs = search(self, hidden, first_tokens)
+    beams, probs = (beams + 1) % 256, probs * 0.5
+    return (beams[:, 1:], probs[:, 1:]) if next(calls) % 2 else (beams, probs)
+
+decoder.Decoder._choose, decoder.Decoder._search = other_choice, other_search
+cli.main(sys.argv[1:])
+"""
+
+
+def start_ranks(tmp_path, per_rank_args: list, other_chip=()) -> list:
+    """One process per entry of ``per_rank_args``, as ranks of a ring; the
+    ranks in ``other_chip`` compute their steps differently (OTHER_CHIP)."""
     hostfile = tmp_path / f"hosts-{time.monotonic_ns()}.json"
     hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in free_ports(len(per_rank_args))]))
     processes = []
     for rank, args in enumerate(per_rank_args):
         env = dict(os.environ, PYTHONPATH=ROOT, MLX_RANK=str(rank), MLX_HOSTFILE=str(hostfile))
-        processes.append(subprocess.Popen([sys.executable, "-m", "redrafter_mlx.cli", *map(str, args)], cwd=ROOT, env=env,
+        program = ["-c", OTHER_CHIP] if rank in other_chip else ["-m", "redrafter_mlx.cli"]
+        processes.append(subprocess.Popen([sys.executable, *program, *map(str, args)], cwd=ROOT, env=env,
                                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     return processes
 
 
-def launch(tmp_path, per_rank_args: list, kill_rank_after=None) -> list[tuple[int, str, str]]:
+def launch(tmp_path, per_rank_args: list, kill_rank_after=None, other_chip=()) -> list[tuple[int, str, str]]:
     """Run one process per entry of ``per_rank_args`` as ranks of a ring;
     returns each one's (exit status, stdout, stderr). ``kill_rank_after``:
     (rank, seconds) to kill that rank with SIGKILL."""
-    processes = start_ranks(tmp_path, per_rank_args)
+    processes = start_ranks(tmp_path, per_rank_args, other_chip)
     if kill_rank_after is not None:
         rank, seconds = kill_rank_after
         time.sleep(seconds)
@@ -70,7 +99,7 @@ def folders(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("split")
     paths = {}
-    for kind in ("llama", "qwen2", "gemma3", "qwen3_next", "lfm2", "mixtral"):
+    for kind in ("llama", "qwen2", "gemma3", "qwen3_next", "lfm2", "nemotron_h", "mixtral"):
         model = tiny_model(kind, seed=4)
         save_model(root / kind, model)
         save_config({k: v for k, v in vars(model.args).items() if v is not None}, root / kind / "config.json")
@@ -92,6 +121,7 @@ def token_lists(stdout: str) -> list:
     ("llama", "pipeline", 8), ("qwen2", "pipeline", 8), ("llama", "tensor", 8), ("llama", "pipeline", None),
     ("qwen3_next", "pipeline", 8),  # a hybrid through mlx-lm's pipeline()
     ("lfm2", "pipeline", 8),  # a hybrid through this package's stages
+    ("nemotron_h", "pipeline", 8),  # a hybrid whose MLP-only layers keep no cache
     ("mixtral", "pipeline", 8),  # experts
 ])
 def test_a_split_model_decodes_as_one_process_does(folders, tmp_path, kind, split, nodes):
@@ -108,6 +138,21 @@ def test_a_split_model_decodes_as_one_process_does(folders, tmp_path, kind, spli
     assert (code0, code1) == (0, 0), err0 + err1
     assert token_lists(out0) == expected
     assert out1 == ""  # only rank 0 writes
+    assert "differently" not in err0 + err1  # alike ranks agree on every step without sending it
+
+
+def test_a_rank_that_rounds_differently_takes_rank_0s_steps(folders, tmp_path):
+    """A rank whose chip chose and drafted other tokens would commit another
+    path to its caches: it takes rank 0's step instead (and says so once),
+    and the output is still one process's."""
+    args = ["generate", "--model", folders["llama"], "--drafter", folders["drafter"], "--prompts", folders["prompts"], "--batch-size", 3,
+            "--max-tokens", 32, "--max-nodes", 8]
+    alone = run_cli(*args)
+    assert alone.returncode == 0, alone.stderr
+    (code0, out0, err0), (code1, _, err1) = launch(tmp_path, [args] * 2, other_chip=(1,))
+    assert (code0, code1) == (0, 0), err0 + err1
+    assert token_lists(out0) == token_lists(alone.stdout)
+    assert err1.count("computed a step differently from rank 0") == 1
 
 
 def test_seeded_sampling_in_a_split_gives_one_process_tokens(folders, tmp_path):
@@ -221,3 +266,36 @@ def test_serve_answers_from_rank_0_as_one_process_does_and_stops_every_rank(fold
     finally:
         for p in ranks:
             p.kill()
+
+
+def test_the_heartbeat_finds_rank_0_where_the_launcher_says(tmp_path, monkeypatch):
+    """Rank 0's address: from the ring hostfile mlx.launch writes, from the
+    coordinator it names for jaccl, else this machine."""
+    from redrafter_mlx.engine.distributed import rank0_host
+
+    monkeypatch.delenv("MLX_JACCL_COORDINATOR", raising=False)
+    monkeypatch.delenv("MLX_HOSTFILE", raising=False)
+    assert rank0_host() == "127.0.0.1"
+    hostfile = tmp_path / "hosts.json"
+    hostfile.write_text(json.dumps([["10.0.0.2:5000", "10.0.1.2:5000"], ["10.0.0.3:5000"]]))
+    monkeypatch.setenv("MLX_HOSTFILE", str(hostfile))
+    assert rank0_host() == "10.0.0.2"
+    monkeypatch.setenv("MLX_JACCL_COORDINATOR", "192.168.1.7:32323")
+    assert rank0_host() == "192.168.1.7"
+
+
+def test_a_digest_tells_steps_apart_by_value_and_by_shape():
+    """What ranks compare each step: the same arrays agree, another value
+    or another shape does not, and the values sent are put back in place."""
+    import numpy as np
+    from redrafter_mlx.engine.distributed import digest, flat, unflat
+
+    step = (np.array([2]), np.arange(6).reshape(1, 6), [np.ones((1, 4, 5), np.float32), None])
+    again = (np.array([2]), np.arange(6).reshape(1, 6), [np.ones((1, 4, 5), np.float32), None])
+    assert digest(step) == digest(again)
+    other_value = (np.array([2]), np.arange(6).reshape(1, 6), [np.full((1, 4, 5), 1 + 1e-7, np.float32), None])
+    assert digest(step) != digest(other_value) and digest(step, values=False) == digest(other_value, values=False)
+    other_shape = (np.array([2]), np.arange(6).reshape(1, 6), [np.ones((1, 3, 5), np.float32), None])
+    assert digest(step, values=False) != digest(other_shape, values=False)
+    rebuilt = unflat(step, iter([a + 1 for a in flat(step)]))
+    assert rebuilt[2][1] is None and (rebuilt[1] == np.arange(1, 7).reshape(1, 6)).all() and rebuilt[2][0].shape == (1, 4, 5)

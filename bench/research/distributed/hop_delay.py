@@ -7,7 +7,9 @@ loopback. Start it with mlx.launch like the command itself:
 
 The delay: the rank that receives a stage's hidden states waits for them,
 then sleeps --delay-ms before going on, so every pass (plain or
-verification) pays it once per hop. This forces the wait inside the pass,
+verification) pays it once per hop; with --every-collective every gather
+and sum pays it too (a pass's final gather, and the all-sum each
+speculative step shares its seconds in, which plain decoding does not have). This forces the wait inside the pass,
 which a real link does not; both methods pay that alike.
 """
 
@@ -29,18 +31,24 @@ from redrafter_mlx.engine import distributed  # noqa: E402
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--delay-ms", type=float, required=True)
+    parser.add_argument("--every-collective", action="store_true",
+                        help="delay every collective (gathers and sums too), not only the hops between stages")
     args, rest = parser.parse_known_args()
     rest = [a for a in rest if a != "--"]
     delay = args.delay_ms / 1000
-    receive = mx.distributed.recv_like
 
-    def slow_receive(x, src, *a, **k):
-        y = receive(x, src, *a, **k)
-        mx.eval(y)
-        time.sleep(delay)
-        return y
+    def slowed(collective):
+        def call(*a, **k):
+            y = collective(*a, **k)
+            mx.eval(y)
+            time.sleep(delay)
+            return y
+        return call
 
-    distributed.mx.distributed.recv_like = slow_receive  # the stages' receive, and mlx-lm's pipeline's
+    # The stages' receive (here and in mlx-lm's pipeline), the gather of the
+    # last hidden states, and the all-sums (each step's shared seconds).
+    for name in ("recv_like", "all_gather", "all_sum") if args.every_collective else ("recv_like",):
+        setattr(distributed.mx.distributed, name, slowed(getattr(mx.distributed, name)))
     cli.main(["bench", *rest])
 
 
