@@ -3,14 +3,14 @@ every hop of the pipeline, standing for a slower link than this machine's
 loopback. Start it with mlx.launch like the command itself:
 
     mlx.launch --backend ring -n 2 --python "$(which python3)" bench/research/distributed/hop_delay.py \
-        --delay-ms 2 -- --prompts data/prompts/heldout.jsonl --num-prompts 8 --max-tokens 128 --configs auto --json OUT
+        --delay-ms 10 --every-collective -- --prompts data/prompts/heldout.jsonl --num-prompts 6 --max-tokens 96 --configs auto --json OUT
 
 The delay: the rank that receives a stage's hidden states waits for them,
 then sleeps --delay-ms before going on, so every pass (plain or
 verification) pays it once per hop; with --every-collective every gather
-and sum pays it too (a pass's final gather, and the all-sum each
-speculative step shares its seconds in, which plain decoding does not have). This forces the wait inside the pass,
-which a real link does not; both methods pay that alike.
+and sum pays it too (a pass's final gather, and any all-sum a step would
+send). This forces the wait inside the pass, which a real link does not;
+both methods pay that alike.
 """
 
 import argparse
