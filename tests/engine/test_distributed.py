@@ -319,6 +319,29 @@ def test_serve_answers_from_rank_0_as_one_process_does_and_stops_every_rank(fold
             p.kill()
 
 
+BROADCASTS = """
+import json
+import redrafter_mlx
+from redrafter_mlx.engine import distributed
+
+ranks = distributed.join("pipeline")
+sent = [None, {"leave": [1, 2]}] + [bytes(range(256)) * (n // 256) + bytes(n % 256) for n in (4000, 4073, 4074, 4075, 4076, 4100, 20000)]  # 4074: exactly the first sum
+got = [ranks.broadcast(obj if ranks.rank == 0 else None) for obj in sent]
+print(json.dumps([a == b for a, b in zip(got, sent)]))
+ranks.end()
+"""
+
+
+def test_a_broadcast_of_any_size_arrives_whole(tmp_path):
+    """What rank 0 sends the others (a server's plan each step, a step
+    where ranks differ): small objects in one sum, larger ones in two,
+    byte for byte around the boundary."""
+    results = launch(tmp_path, [[], []], programs={0: BROADCASTS, 1: BROADCASTS})
+    for code, out, err in results:
+        assert code == 0, err
+        assert json.loads(out) == [True] * 9
+
+
 def test_the_heartbeat_finds_rank_0_where_the_launcher_says(tmp_path, monkeypatch):
     """Rank 0's address: from the ring hostfile mlx.launch writes, from the
     coordinator it names for jaccl, else this machine."""
