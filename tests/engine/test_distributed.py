@@ -100,7 +100,7 @@ def folders(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("split")
     paths = {}
-    for kind in ("llama", "qwen2", "gemma3", "qwen3_next", "lfm2", "nemotron_h", "mixtral"):
+    for kind in ("llama", "qwen2", "gemma3", "qwen3_next", "qwen3_5", "lfm2", "nemotron_h", "qwen3_moe", "mixtral"):
         model = tiny_model(kind, seed=4)
         save_model(root / kind, model)
         save_config({k: v for k, v in vars(model.args).items() if v is not None}, root / kind / "config.json")
@@ -123,7 +123,9 @@ def token_lists(stdout: str) -> list:
     ("qwen3_next", "pipeline", 8),  # a hybrid through mlx-lm's pipeline()
     ("lfm2", "pipeline", 8),  # a hybrid through this package's stages
     ("nemotron_h", "pipeline", 8),  # a hybrid whose MLP-only layers keep no cache
-    ("mixtral", "pipeline", 8),  # experts
+    ("qwen3_5", "pipeline", 8),  # another hybrid through mlx-lm's pipeline()
+    ("mixtral", "pipeline", 8),  # experts through this package's stages
+    ("qwen3_moe", "pipeline", 8),  # experts through mlx-lm's pipeline()
 ])
 def test_a_split_model_decodes_as_one_process_does(folders, tmp_path, kind, split, nodes):
     """Greedy output, a batch of three prompts of different lengths, drafted
