@@ -78,7 +78,7 @@ class Ranks:
     split: str
     heartbeat: Optional["Heartbeat"] = None
     alike: bool = True  # every rank rounds as rank 0 does (see settle)
-    resent: int = 0  # steps whose results rank 0 had to send (see settle)
+    resent: bool = False  # rank 0 has had to send a step (see settle)
 
     @property
     def rank(self) -> int:
@@ -129,35 +129,19 @@ class Ranks:
         that round differently (other chips, other builds) may choose or
         draft other tokens near a tie, or other draft probabilities in the
         last bits: each step they compare digests of their results in one
-        small all-sum, and where they differ rank 0 sends its own (one more
-        all-sum of their bytes) and the others take them, so every rank
-        commits the same path and drafts the next tree alike. Synchronises."""
-        slots = np.zeros((self.size, 4), np.float32)
-        slots[self.rank] = digest(results) + digest(results, values=False)
+        small all-sum, and where they differ rank 0 sends its own and the
+        others take them, so every rank commits the same path and drafts
+        the next tree alike. Synchronises."""
+        slots = np.zeros((self.size, 2), np.float32)
+        slots[self.rank] = digest(results)
         digests = np.array(mx.distributed.all_sum(mx.array(slots), group=self.group, stream=mx.cpu))
         if (digests == digests[0]).all():
             return results
         if not (digests[self.rank] == digests[0]).all() and not self.resent:
             print(f"note: rank {self.rank} computed a step differently from rank 0 (ranks on different chips or MLX builds round "
                   "differently); it takes rank 0's step whenever that happens", file=sys.stderr, flush=True)
-        self.resent += 1
-        if (digests[:, 2:] == digests[0, 2:]).all():  # the same shapes everywhere
-            return self._send_values(results)
+        self.resent = True
         return self.broadcast(results if self.rank == 0 else None)
-
-    def _send_values(self, results):
-        """Rank 0's arrays in the place of this rank's own, which have the
-        same shapes and types: one all-sum of their bytes (as int32, the
-        other ranks adding zeros)."""
-        arrays = [np.ascontiguousarray(a) for a in flat(results)]
-        data = b"".join(a.tobytes() for a in arrays)
-        data += b"\0" * (-len(data) % 4)
-        data = self._sum(np.frombuffer(data, np.int32) if self.rank == 0 else np.zeros(len(data) // 4, np.int32)).tobytes()
-        offset, theirs = 0, []
-        for a in arrays:
-            theirs.append(np.frombuffer(data, a.dtype, a.size, offset).reshape(a.shape).copy())
-            offset += a.nbytes
-        return unflat(results, iter(theirs))
 
     def differing(self, text: str) -> list[int]:
         """The ranks whose ``text`` is not rank 0's. Synchronises."""
@@ -176,10 +160,9 @@ class Ranks:
             self.heartbeat.stop()
 
 
-def digest(results, values: bool = True) -> tuple[int, int]:
-    """48 bits of a hash of numpy arrays (nested in lists or tuples), as two
-    integers a float32 sum carries exactly; ``values=False``: of their
-    shapes and types only."""
+def digest(results) -> tuple[int, int]:
+    """48 bits of a hash of numpy arrays (nested in lists or tuples, None
+    allowed), as two integers a float32 sum carries exactly."""
     h = hashlib.sha256()
 
     def add(value):
@@ -192,26 +175,11 @@ def digest(results, values: bool = True) -> tuple[int, int]:
         else:
             a = np.ascontiguousarray(value)
             h.update(f"{a.dtype}{a.shape}".encode())
-            if values:
-                h.update(a.tobytes())
+            h.update(a.tobytes())
 
     add(results)
     d = h.digest()
     return int.from_bytes(d[:3], "big"), int.from_bytes(d[3:6], "big")
-
-
-def flat(results) -> list:
-    """The arrays in ``results`` (nested lists or tuples, None allowed), in order."""
-    if isinstance(results, (list, tuple)):
-        return [a for r in results for a in flat(r)]
-    return [] if results is None else [results]
-
-
-def unflat(like, arrays):
-    """``like`` with its arrays taken, in order, from the iterator ``arrays``."""
-    if isinstance(like, (list, tuple)):
-        return type(like)(unflat(r, arrays) for r in like)
-    return None if like is None else next(arrays)
 
 
 def join(split: str = "pipeline", silence: float = SILENCE_SECONDS) -> Ranks:

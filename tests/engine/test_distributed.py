@@ -360,18 +360,17 @@ def test_the_heartbeat_finds_rank_0_where_the_launcher_says(tmp_path, monkeypatc
     assert rank0_host() == "192.168.1.7"
 
 
-def test_a_digest_tells_steps_apart_by_value_and_by_shape():
-    """What ranks compare each step: the same arrays agree, another value
-    or another shape does not, and the values sent are put back in place."""
+def test_a_digest_tells_steps_apart():
+    """What ranks that may round differently compare each step: the same
+    arrays agree; another value, even in the last bit, or another shape
+    does not."""
     import numpy as np
-    from redrafter_mlx.engine.distributed import digest, flat, unflat
+    from redrafter_mlx.engine.distributed import digest
 
     step = (np.array([2]), np.arange(6).reshape(1, 6), [np.ones((1, 4, 5), np.float32), None])
     again = (np.array([2]), np.arange(6).reshape(1, 6), [np.ones((1, 4, 5), np.float32), None])
     assert digest(step) == digest(again)
     other_value = (np.array([2]), np.arange(6).reshape(1, 6), [np.full((1, 4, 5), 1 + 1e-7, np.float32), None])
-    assert digest(step) != digest(other_value) and digest(step, values=False) == digest(other_value, values=False)
+    assert digest(step) != digest(other_value)
     other_shape = (np.array([2]), np.arange(6).reshape(1, 6), [np.ones((1, 3, 5), np.float32), None])
-    assert digest(step, values=False) != digest(other_shape, values=False)
-    rebuilt = unflat(step, iter([a + 1 for a in flat(step)]))
-    assert rebuilt[2][1] is None and (rebuilt[1] == np.arange(1, 7).reshape(1, 6)).all() and rebuilt[2][0].shape == (1, 4, 5)
+    assert digest(step) != digest(other_shape)

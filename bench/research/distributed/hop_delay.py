@@ -1,16 +1,14 @@
 """`redrafter-mlx bench` on a model split over ranks, with a delay added to
-every hop of the pipeline, standing for a slower link than this machine's
+every collective (the hop between stages, the gather of the last hidden
+states, any sum), standing for a slower link than this machine's
 loopback. Start it with mlx.launch like the command itself:
 
     mlx.launch --backend ring -n 2 --python "$(which python3)" bench/research/distributed/hop_delay.py \
-        --delay-ms 10 --every-collective -- --prompts data/prompts/heldout.jsonl --num-prompts 6 --max-tokens 96 --configs auto --json OUT
+        --delay-ms 10 -- --prompts data/prompts/heldout.jsonl --num-prompts 6 --max-tokens 96 --configs auto --json OUT
 
-The delay: the rank that receives a stage's hidden states waits for them,
-then sleeps --delay-ms before going on, so every pass (plain or
-verification) pays it once per hop; with --every-collective every gather
-and sum pays it too (a pass's final gather, and any all-sum a step would
-send). This forces the wait inside the pass, which a real link does not;
-both methods pay that alike.
+The rank waits for each collective, then sleeps --delay-ms before going
+on. This forces the wait inside the pass, which a real link does not;
+plain decoding and ReDrafter pay that alike.
 """
 
 import argparse
@@ -31,8 +29,6 @@ from redrafter_mlx.engine import distributed  # noqa: E402
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--delay-ms", type=float, required=True)
-    parser.add_argument("--every-collective", action="store_true",
-                        help="delay every collective (gathers and sums too), not only the hops between stages")
     args, rest = parser.parse_known_args()
     rest = [a for a in rest if a != "--"]
     delay = args.delay_ms / 1000
@@ -45,9 +41,7 @@ def main():
             return y
         return call
 
-    # The stages' receive (here and in mlx-lm's pipeline), the gather of the
-    # last hidden states, and the all-sums (each step's shared seconds).
-    for name in ("recv_like", "all_gather", "all_sum") if args.every_collective else ("recv_like",):
+    for name in ("recv_like", "all_gather", "all_sum"):
         setattr(distributed.mx.distributed, name, slowed(getattr(mx.distributed, name)))
     cli.main(["bench", *rest])
 

@@ -10,11 +10,9 @@ Times per step, in alternated blocks of steps, on every rank: the one
 all-sum that compares the ranks' digests (what each step of ranks that may
 round differently pays; alike ranks send nothing), and the same followed
 by rank 0's step sent to the others (what a step would pay if only rank 0
-drafted, and what a rank that rounds differently pays when it disagrees):
-its bytes in one all-sum when every rank's shapes agree
-(``Ranks._send_values``), or pickled (``Ranks.broadcast``) when they do
-not. A step's results here are batch 1 at the default search (4 beams of
-5 tokens, 6 nodes kept).
+drafted, and what a rank that rounds differently pays when it disagrees;
+``Ranks.broadcast``). A step's results here are batch 1 at the default
+search (4 beams of 5 tokens, 6 nodes kept).
 """
 
 import argparse
@@ -43,16 +41,14 @@ def main():
     rng = np.random.default_rng(0)
     step = (np.array([3]), rng.integers(0, 6, (1, 6)), rng.integers(0, 49152, (1, 6)),
             [rng.integers(0, 49152, (1, 4, 5)), rng.random((1, 4, 5), np.float32)])
-    times = {"checked": [], "checked_and_pickled_sent": [], "checked_and_bytes_sent": []}
-    for i in range(3 * args.steps // BLOCK):
-        kind = i % 3
+    times = {"checked": [], "checked_and_sent": []}
+    for i in range(2 * args.steps // BLOCK):
+        kind = i % 2
         tic = time.perf_counter()
         for _ in range(BLOCK):
             ranks.settle(step)
             if kind == 1:
                 ranks.broadcast(step if ranks.rank == 0 else None)
-            elif kind == 2:
-                ranks._send_values(step)
         times[list(times)[kind]].append((time.perf_counter() - tic) / BLOCK)
     result = {"ranks": ranks.size, "steps": args.steps, **{f"{k}_ms": 1000 * float(np.median(v)) for k, v in times.items()}}
     if ranks.rank == 0:
