@@ -1,23 +1,35 @@
 """The ``redrafter-mlx`` command line (installed as ``redrafter_mlx.cli``).
 
-Option groups shared by several commands (the model, drafting, sampling)
-are declared once, as argparse parent parsers, with destinations named like
-the fields of the settings they fill (``DraftSettings``,
-``SamplingSettings``, ``TrainConfig``), which check their own values. Each
-command is a function of the parsed arguments that calls the library.
+A Typer app. The option groups several commands share (the model, the
+drafter and drafting, sampling, ...) are declared once below, as
+``Annotated`` aliases whose help panel names the group; each command lists
+the aliases it takes and calls the library. The README's option tables are
+rendered from these same declarations (``option_tables``; a test checks
+that the README holds them as rendered).
+
+Exit statuses, one rule: a bad option value exits 2 with one ``error:``
+line, whether Click finds it (a number out of range) or a settings object
+does (``SamplingSettings`` refusing a temperature); a failure at run time
+exits 1 with one ``error:`` line; Ctrl-C exits 130.
 """
 
-import argparse
+import contextlib
 import dataclasses
 import json
 import os
 import sys
 import tempfile
+from typing import Annotated, Literal, Optional
 
-import redrafter_mlx  # noqa: F401  (preloads OpenBLAS before mlx.core)
+import typer
+import typer.core
+import typer.main
+
+import redrafter_mlx  # noqa: F401  (preloads OpenBLAS before mlx.core; the API itself loads lazily)
 from redrafter_mlx.errors import UserError
 
 API_KEY_ENV = "REDRAFTER_MLX_API_KEY"
+PROG = "redrafter-mlx"
 
 # Options taken out because they measured no gain (bench/research/README.md);
 # given, they get one error line.
@@ -30,192 +42,272 @@ REMOVED = {
 REMOVED_FROM_TRAIN = {"--no-rnn": "the drafter trains with its RNN", "--rnn": "the drafter trains with its RNN"}
 
 
-class Parser(argparse.ArgumentParser):
-    """argparse, with a usage mistake reported as one ``error:`` line."""
-
-    def error(self, message):
-        print(f"error: {message} (see {self.prog} --help)", file=sys.stderr)
-        sys.exit(2)
+class Usage(Exception):
+    """A bad option value found after parsing (by a settings object or a
+    check of several options together): exits 2, as Click's usage errors."""
 
 
-def auto_int(text: str):
+@contextlib.contextmanager
+def checking_options():
+    """Settings objects built inside check the options they were given; a
+    ``UserError`` they raise is a usage error (exit 2), not a failure."""
+    try:
+        yield
+    except UserError as e:
+        raise Usage(str(e)) from None
+
+
+def auto_int(text: str) -> Optional[int]:
     """A whole number, or ``auto`` (None: the library chooses)."""
-    if text == "auto":
+    if text is None or text == "auto":
         return None
     try:
         return int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"takes a whole number or 'auto', got {text!r}") from None
+        raise typer.BadParameter(f"takes a whole number or 'auto', got {text!r}") from None
 
 
-def at_least(low: int):
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"takes a whole number, got {text!r}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
-        return value
-
-    parse.__name__ = f"whole number >= {low}"
-    return parse
+def positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise typer.BadParameter(f"takes a number of seconds, got {text!r}") from None
+    if not value > 0:
+        raise typer.BadParameter(f"must be more than 0, got {text}")
+    return value
 
 
-def settings(kind, args: argparse.Namespace, **extra):
-    """A settings dataclass from the parsed options named like its fields;
-    options left unset (None) keep the dataclass's defaults."""
+def settings(kind, given: dict, **extra):
+    """A settings dataclass from the options named like its fields; options
+    left unset (None) keep the dataclass's defaults."""
     names = {f.name for f in dataclasses.fields(kind)}
-    given = {k: v for k, v in vars(args).items() if k in names and v is not None}
-    return kind(**dict(given, **extra))
+    return kind(**dict({k: v for k, v in given.items() if k in names and v is not None}, **extra))
 
 
-def option_group(title: str, options: list) -> argparse.ArgumentParser:
-    parent = argparse.ArgumentParser(add_help=False)
-    group = parent.add_argument_group(title)
-    for flags, kwargs in options:
-        group.add_argument(*flags, **kwargs)
-    return parent
+# -- shared option groups -----------------------------------------------------
+
+MODEL, DRAFTER, SAMPLING, SPLIT_PANEL, ANSWERS_PANEL, LOG_PANEL = (
+    "model", "drafter and drafting", "sampling", "several machines (started by mlx.launch)", "earlier answers", "prompt log")
+
+Model = Annotated[Optional[str], typer.Option(
+    "--model", "-m", help="mlx-lm / Hugging Face folder, Hub id, or .gguf file",
+    show_default="the embedded SmolLM2-135M-Instruct", rich_help_panel=MODEL)]
+Dtype = Annotated[Optional[Literal["float32", "float16", "bfloat16", "native"]], typer.Option(
+    help="compute dtype of the base model; native keeps the file's", show_default="float32 on the CPU, native on Metal",
+    rich_help_panel=MODEL)]
+
+Drafter = Annotated[Optional[str], typer.Option(
+    "--drafter", "-d", help="drafter folder or Hub id, or none for context lookup only",
+    show_default="the drafter shipped for this model, else none", rich_help_panel=DRAFTER)]
+BeamWidth = Annotated[Optional[int], typer.Option(
+    parser=auto_int, metavar="N|auto", help="beams the RNN drafts per step", show_default="auto: 4", rich_help_panel=DRAFTER)]
+BeamLength = Annotated[Optional[int], typer.Option(
+    parser=auto_int, metavar="N|auto", help="tokens per beam, counting the last verified one", show_default="auto: 5",
+    rich_help_panel=DRAFTER)]
+MaxNodes = Annotated[Optional[int], typer.Option(
+    parser=auto_int, metavar="N|auto",
+    help="drafted nodes verified per step; auto sizes each step's tree by this machine's cost; 0 is plain decoding",
+    show_default="auto", rich_help_panel=DRAFTER)]
+NoLookup = Annotated[bool, typer.Option(
+    "--no-lookup", help="do not draft by context lookup", show_default="lookup on", rich_help_panel=DRAFTER)]
+LookupLength = Annotated[Optional[int], typer.Option(
+    metavar="N", help="tokens a context-lookup continuation drafts", show_default="16", rich_help_panel=DRAFTER)]
+LookupMaxNgram = Annotated[Optional[int], typer.Option(
+    metavar="N", help="longest context suffix context lookup matches", show_default="3", rich_help_panel=DRAFTER)]
+DatastoreBeams = Annotated[Optional[int], typer.Option(
+    metavar="N", help="continuations per step from the drafter's datastore; 0 turns it off", show_default="2",
+    rich_help_panel=DRAFTER)]
+
+Temp = Annotated[Optional[float], typer.Option(
+    help="sampling temperature; 0 is greedy", show_default="0, greedy; chat: the model's recommendation, else 0.7",
+    rich_help_panel=SAMPLING)]
+TopP = Annotated[Optional[float], typer.Option(
+    help="keep the most likely tokens up to this probability mass", show_default="1, all; chat: 0.9", rich_help_panel=SAMPLING)]
+TopK = Annotated[Optional[int], typer.Option(
+    help="keep the k most likely tokens", show_default="0, all", rich_help_panel=SAMPLING)]
+MinP = Annotated[Optional[float], typer.Option(
+    help="drop tokens less likely than this times the most likely one", show_default="0, none", rich_help_panel=SAMPLING)]
+RepetitionPenalty = Annotated[Optional[float], typer.Option(
+    help="penalty above 1 for tokens among the last 20", show_default="off", rich_help_panel=SAMPLING)]
+Seed = Annotated[Optional[int], typer.Option(
+    help="random seed; prompt i of a list samples with its own seed derived from (seed, i)", show_default="0",
+    rich_help_panel=SAMPLING)]
+
+Split = Annotated[Literal["pipeline", "tensor"], typer.Option(
+    help="under mlx.launch: pipeline stages of layers, or tensor parallel where the heads divide (see the README)",
+    rich_help_panel=SPLIT_PANEL)]
+AnswerStoreMb = Annotated[float, typer.Option(
+    metavar="MB", min=0, help="memory for the answers given so far, which later answers also draft from; 0 turns it off",
+    rich_help_panel=ANSWERS_PANEL)]
+LogPrompts = Annotated[Optional[str], typer.Option(
+    metavar="FILE", help="append each conversation answered to this prompts file, which distill --prompts reads",
+    show_default="off", rich_help_panel=LOG_PANEL)]
+
+# Options of one command each, but alike in several.
+PromptsFile = Annotated[Optional[str], typer.Option(
+    "--prompts", metavar="FILE", help='JSONL prompts file: a "prompt", "messages" or "tokens" per line (see "Prompts files")')]
+BatchSize = Annotated[int, typer.Option("--batch-size", "-b", min=1, help="prompts decoded together")]
 
 
-MODEL = option_group("model", [
-    (["--model", "-m"], dict(help="mlx-lm / Hugging Face folder, Hub id, or .gguf file (default: the embedded SmolLM2-135M-Instruct)")),
-    (["--dtype"], dict(choices=["float32", "float16", "bfloat16", "native"], help="compute dtype of the base model; native keeps the file's (default: float32 on the CPU, native on Metal)")),
-])
-DRAFTER = option_group("drafter", [
-    (["--drafter", "-d"], dict(help="drafter folder, or 'none' for context lookup only (default: the drafter shipped for this model, else lookup only)")),
-])
-DRAFTING = option_group("drafting", [
-    (["--beam-width"], dict(type=auto_int, metavar="N|auto", help="beams the RNN drafts per step (auto: 4)")),
-    (["--beam-length"], dict(type=auto_int, metavar="N|auto", help="tokens per beam counting the last verified one, so N - 1 drafted (auto: 5)")),
-    (["--max-nodes"], dict(type=auto_int, metavar="N|auto", help="drafted nodes verified per step; auto sizes each step's tree by this machine's measured cost; 0 is plain decoding (auto)")),
-    (["--no-lookup"], dict(dest="lookup", action="store_false", default=None, help="do not draft by context lookup")),
-    (["--lookup-length"], dict(type=int, metavar="N", help="tokens a context-lookup continuation drafts (16)")),
-    (["--lookup-max-ngram"], dict(type=int, metavar="N", help="longest context suffix context lookup matches (3)")),
-    (["--datastore-beams"], dict(type=int, metavar="N", help="continuations per step from the drafter's datastore, when it has one; 0 turns it off (2)")),
-])
-SAMPLING = option_group("sampling", [
-    (["--temp"], dict(type=float, help="temperature; 0 is greedy (0; chat: the model's recommendation, else 0.7)")),
-    (["--top-p"], dict(type=float, help="keep the most likely tokens up to this probability mass (1: all; chat: 0.9)")),
-    (["--top-k"], dict(type=int, help="keep the k most likely tokens (0: all)")),
-    (["--min-p"], dict(type=float, help="drop tokens less likely than this times the most likely one (0: none)")),
-    (["--repetition-penalty"], dict(type=float, help="penalty above 1 for tokens among the last 20 (off)")),
-    (["--seed"], dict(type=int, help="random seed; prompt i of a list samples with its own seed derived from (seed, i) (0)")),
-])
-PROMPT_LOG = option_group("prompt log", [
-    (["--log-prompts"], dict(metavar="FILE", help="append each prompt answered to this JSONL file, which `distill --prompts` reads")),
-])
-SPLIT = option_group("several machines (started by mlx.launch)", [
-    (["--split"], dict(choices=["pipeline", "tensor"], default="pipeline", help="how the model is split over the launched ranks: pipeline stages of layers, or tensor parallel where the heads divide (pipeline)")),
-])
-ANSWERS = option_group("earlier answers", [
-    (["--answer-store-mb"], dict(type=float, default=64, metavar="MB", help="memory for the answers produced so far, which later steps also draft from; 0 turns it off (64)")),
-])
+def max_tokens_option(meaning: str, low: int = 1):
+    return Annotated[int, typer.Option("--max-tokens", "-n", min=low, help=meaning)]
 
 
-def fail(message: str) -> None:
-    raise UserError(message)
+# -- the app ------------------------------------------------------------------
 
 
-def answer_store(megabytes: float):
-    from redrafter_mlx.drafting.answers import answer_store as make
-
-    if megabytes < 0:
-        fail(f"--answer-store-mb takes a size of 0 or more, got {megabytes}")
-    return make(megabytes)
+def version_callback(value: bool) -> None:
+    if value:
+        print(f"{PROG} {redrafter_mlx.__version__}")
+        raise typer.Exit()
 
 
-def load_pair(args, ranks=None):
+app = typer.Typer(
+    name=PROG, help="ReDrafter speculative decoding for mlx-lm models: the same answers as plain decoding, in fewer passes.",
+    no_args_is_help=True, pretty_exceptions_enable=False, context_settings={"help_option_names": ["--help", "-h"]},
+)
+
+
+@app.callback()
+def top(version: Annotated[bool, typer.Option("--version", callback=version_callback, is_eager=True, help="print the version and exit")] = False):
+    """ReDrafter speculative decoding for mlx-lm models: the same answers as
+    plain decoding, in fewer passes of the model."""
+
+
+# -- helpers the commands share -----------------------------------------------
+
+
+def dtype_of(dtype: Optional[str]) -> Optional[str]:
+    return "auto" if dtype is None else (None if dtype == "native" else dtype)
+
+
+def draft_settings(given: dict):
+    from redrafter_mlx.drafting.settings import DraftSettings
+
+    if given.get("drafter") == "none" and given.get("beam_width") is not None:
+        raise UserError("--beam-width sets the RNN drafter's search; it does not go with --drafter none")
+    return settings(DraftSettings, given, **({"lookup": False} if given.get("no_lookup") else {}))
+
+
+def sampling_settings(given: dict, **defaults):
+    from redrafter_mlx.engine.sampling import SamplingSettings
+
+    return settings(SamplingSettings, dict(defaults, **{k: v for k, v in given.items() if v is not None}))
+
+
+def load_pair(model, drafter, dtype, ranks):
     from redrafter_mlx.loading.loader import load
 
-    drafter = getattr(args, "drafter", None)
-    if drafter == "none" and getattr(args, "beam_width", None) is not None:
-        fail("--beam-width sets the RNN drafter's search; it does not go with --drafter none")
-    return load(args.model, drafter, dtype=dtype_of(args), ranks=ranks)
+    return load(model, drafter, dtype=dtype_of(dtype), ranks=ranks)
 
 
-def join_ranks(args):
-    """The ranks this process was launched with by mlx.launch (None when it
-    runs alone). Only rank 0 writes to standard output."""
+def join_ranks(split: str):
+    """The ranks this process was launched with by mlx.launch (this process
+    alone when it was not). Only rank 0 writes to standard output."""
     from redrafter_mlx.engine import distributed
 
     if not distributed.launched():
-        return None
-    ranks = distributed.join(args.split)
+        return distributed.ONE_PROCESS
+    ranks = distributed.join(split)
     if ranks.rank > 0:
         sys.stdout = open(os.devnull, "w")
     return ranks
 
 
-def dtype_of(args) -> str:
-    return "auto" if args.dtype is None else (None if args.dtype == "native" else args.dtype)
+def answer_store(megabytes: float):
+    from redrafter_mlx.drafting.answers import answer_store as make
+
+    return make(megabytes)
 
 
-def draft_settings(args):
-    from redrafter_mlx.drafting.settings import DraftSettings
-
-    return settings(DraftSettings, args)
-
-
-def sampling_settings(args, **defaults):
-    from redrafter_mlx.engine.sampling import SamplingSettings
-
-    given = {k: v for k, v in vars(args).items() if v is not None}
-    return settings(SamplingSettings, argparse.Namespace(**dict(defaults, **given)))
-
-
-def prompt_log(args):
+def prompt_log(path: Optional[str]):
     from redrafter_mlx.serving.prompts import PromptLog
 
-    return PromptLog(args.log_prompts, warn=lambda line: print(line, file=sys.stderr)) if args.log_prompts else None
+    return PromptLog(path, warn=lambda line: print(line, file=sys.stderr)) if path else None
+
+
+def read_prompt(prompt: str) -> str:
+    """The ``--prompt`` text: standard input for ``-``; empty is refused."""
+    if prompt == "-":
+        try:
+            prompt = sys.stdin.buffer.read().decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise UserError(f"the prompt on standard input is not UTF-8 text ({e})") from None
+        if not prompt.strip():
+            raise Usage("the prompt on standard input is empty")
+    elif not prompt.strip():
+        raise Usage("--prompt is empty; give the model something to answer")
+    return prompt
+
+
+def dim(text: str, stream=sys.stderr) -> str:
+    """``text`` dimmed where ``stream`` is a terminal."""
+    return f"\033[2m{text}\033[0m" if stream.isatty() else text
 
 
 # -- commands -----------------------------------------------------------------
 
 
-def generate(args):
-    """Generate text from a prompt, or from each prompt of a file (batched)."""
+@app.command()
+def generate(
+    prompt: Annotated[str, typer.Option("--prompt", "-p", help="message for the model; - reads it from standard input")] = "hello",
+    prompts: PromptsFile = None,
+    batch_size: BatchSize = 1,
+    max_tokens: max_tokens_option("most new tokens") = 256,
+    ignore_chat_template: Annotated[bool, typer.Option("--ignore-chat-template", help="encode the prompt as it is, without the chat template")] = False,
+    json_out: Annotated[bool, typer.Option("--json", help="print one JSON object: text, tokens, prompt_tokens, generation_tokens, steps, tokens_per_step, nodes_per_step, generation_tps, finish_reason, ranks")] = False,
+    model: Model = None, dtype: Dtype = None, drafter: Drafter = None, beam_width: BeamWidth = None, beam_length: BeamLength = None,
+    max_nodes: MaxNodes = None, no_lookup: NoLookup = False, lookup_length: LookupLength = None, lookup_max_ngram: LookupMaxNgram = None,
+    datastore_beams: DatastoreBeams = None, temp: Temp = None, top_p: TopP = None, top_k: TopK = None, min_p: MinP = None,
+    repetition_penalty: RepetitionPenalty = None, seed: Seed = None, split: Split = "pipeline",
+):
+    """One prompt, streamed; or every prompt of a file, batched, one JSON line per prompt."""
     from redrafter_mlx.engine.sampling import make_chooser
     from redrafter_mlx.serving.prompts import read_prompts
 
-    draft, choose = draft_settings(args), make_chooser(sampling_settings(args))
-    texts = read_prompts(args.prompts) if args.prompts else None
-    prompt = args.prompt
-    if prompt == "-" and texts is None:
-        try:
-            prompt = sys.stdin.buffer.read().decode("utf-8")
-        except UnicodeDecodeError as e:
-            fail(f"the prompt on standard input is not UTF-8 text ({e})")
-    ranks = join_ranks(args)
-    redrafter, tokenizer = load_pair(args, ranks)
-    _generate(args, redrafter, tokenizer, draft, choose, texts, prompt, ranks.size if ranks else 1)
-    if ranks is not None:  # only a normal end: a rank that fails leaves without a word, which ends the others
-        ranks.end()
-
-
-def _generate(args, redrafter, tokenizer, draft, choose, texts, prompt, num_ranks):
-    from redrafter_mlx.serving.api import batch_generate, encode_prompt, stream_generate
-
-    options = dict(vars(draft), choose=choose, chat_template=not args.ignore_chat_template)
+    given = locals()
+    with checking_options():
+        draft, choose = draft_settings(given), make_chooser(sampling_settings(given))
+    texts = read_prompts(prompts) if prompts else None
+    text = read_prompt(prompt) if texts is None else None
+    ranks = join_ranks(split)
+    redrafter, tokenizer = load_pair(model, drafter, dtype, ranks)
+    options = dict(vars(draft), choose=choose, chat_template=not ignore_chat_template)
     if texts is not None:
-        for result in batch_generate(redrafter, tokenizer, texts, args.max_tokens, batch_size=args.batch_size, **options):
-            tps = len(result.tokens) / result.seconds if result.seconds else 0.0
-            print(json.dumps(summary(result.text, result.tokens, result.prompt_tokens, result.steps, result.step_tokens, result.step_nodes, tps, result.finish_reason)), flush=True)
-        return
-    prompt_ids = encode_prompt(tokenizer, prompt, chat_template=not args.ignore_chat_template)
+        print_batch(redrafter, tokenizer, texts, max_tokens, batch_size, options)
+    else:
+        stream_one(redrafter, tokenizer, text, max_tokens, json_out, ranks.size, options)
+    ranks.end()  # only a normal end: a rank that fails leaves without a word, which ends the others
+
+
+def print_batch(redrafter, tokenizer, texts, max_tokens, batch_size, options) -> None:
+    from redrafter_mlx.serving.api import batch_generate
+
+    for result in batch_generate(redrafter, tokenizer, texts, max_tokens, batch_size=batch_size, **options):
+        tps = len(result.tokens) / result.seconds if result.seconds else 0.0
+        print(json.dumps(summary(result.text, result.tokens, result.prompt_tokens, result.steps, result.step_tokens, result.step_nodes, tps, result.finish_reason)), flush=True)
+
+
+def stream_one(redrafter, tokenizer, prompt, max_tokens, json_out, num_ranks, options) -> None:
+    from redrafter_mlx.serving.api import encode_prompt, stream_generate
+
+    prompt_ids = encode_prompt(tokenizer, prompt, chat_template=options.pop("chat_template"))
     text, tokens, last = "", [], None
-    for last in stream_generate(redrafter, tokenizer, prompt_ids, args.max_tokens, **options):
+    for last in stream_generate(redrafter, tokenizer, prompt_ids, max_tokens, **options):
         text += last.text
         tokens += last.tokens
-        if not args.json:
+        if not json_out:
             print(last.text, end="", flush=True)
     steps, step_tokens, step_nodes, tps = (last.steps, last.step_tokens, last.step_nodes, last.generation_tps) if last else (0, 0, 0, 0.0)
-    if args.json:
-        out = summary(text, tokens, len(prompt_ids), steps, step_tokens, step_nodes, tps, last.finish_reason if last else "length")
+    finish = last.finish_reason if last else "length"
+    if json_out:
+        out = summary(text, tokens, len(prompt_ids), steps, step_tokens, step_nodes, tps, finish)
         out.update(prompt_tps=last.prompt_tps if last else 0.0, peak_memory_gb=last.peak_memory if last else 0.0, ranks=num_ranks)
         print(json.dumps(out))
         return
     print()
+    if finish == "length":
+        print(dim(f"[stopped at --max-tokens {max_tokens}]"), file=sys.stderr)
     if steps:
         print(f"[{len(tokens)} tokens, {tps:.1f} tokens/s, {step_tokens / steps:.2f} tokens/step, prompt {len(prompt_ids)} tokens]", file=sys.stderr)
 
@@ -234,279 +326,325 @@ def summary(text, tokens, prompt_tokens, steps, step_tokens, step_nodes, generat
     }
 
 
-def chat(args):
-    """Chat with the model; answers stream as they are accepted."""
-    from redrafter_mlx.engine.sampling import make_chooser
+@app.command()
+def chat(
+    max_tokens: max_tokens_option("most new tokens per answer") = 512,
+    system_prompt: Annotated[Optional[str], typer.Option(help="system message at the start of the conversation")] = None,
+    model: Model = None, dtype: Dtype = None, drafter: Drafter = None, beam_width: BeamWidth = None, beam_length: BeamLength = None,
+    max_nodes: MaxNodes = None, no_lookup: NoLookup = False, lookup_length: LookupLength = None, lookup_max_ngram: LookupMaxNgram = None,
+    datastore_beams: DatastoreBeams = None, temp: Temp = None, top_p: TopP = None, top_k: TopK = None, min_p: MinP = None,
+    repetition_penalty: RepetitionPenalty = None, seed: Seed = None, log_prompts: LogPrompts = None, answer_store_mb: AnswerStoreMb = 64,
+):
+    """A multi-turn chat in the terminal; answers stream as they are accepted.
+
+    \b
+    In the chat:
+      /help          list these commands
+      /reset         clear the conversation
+      /stats         speed and first-token latency
+      /quit, exit, quit, Ctrl-D
+                     leave
+      Ctrl-C         stop an answer
+    """
+    from redrafter_mlx.engine.distributed import ONE_PROCESS
+    from redrafter_mlx.engine.sampling import SamplingSettings, make_chooser
     from redrafter_mlx.serving.chat import chat_loop, chat_sampling
 
-    draft, log = draft_settings(args), prompt_log(args)
-    redrafter, tokenizer = load_pair(args)
-    redrafter.answers = answer_store(args.answer_store_mb)
+    given = locals()
+    with checking_options():
+        draft = draft_settings(given)
+        SamplingSettings(**{k: given[k] for k in ("temp", "top_p", "top_k", "min_p", "repetition_penalty", "seed") if given[k] is not None})
+    log = prompt_log(log_prompts)
+    redrafter, tokenizer = load_pair(model, drafter, dtype, ONE_PROCESS)  # a chat runs in one process
+    redrafter.answers = answer_store(answer_store_mb)
     if not tokenizer.has_chat_template:
-        fail("this model's tokenizer has no chat template; use `redrafter-mlx generate`")
-    sampling = chat_sampling(redrafter.generation_config, temp=args.temp, top_p=args.top_p, top_k=args.top_k,
-                             min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.seed)
-    chat_loop(redrafter, tokenizer, args.max_tokens, args.system_prompt, prompt_log=log, choose=make_chooser(sampling), **vars(draft))
+        raise UserError("this model's tokenizer has no chat template; use `redrafter-mlx generate`")
+    sampling = chat_sampling(redrafter.generation_config, temp=temp, top_p=top_p, top_k=top_k, min_p=min_p,
+                             repetition_penalty=repetition_penalty, seed=seed)
+    chat_loop(redrafter, tokenizer, max_tokens, system_prompt, prompt_log=log, choose=make_chooser(sampling),
+              dim=lambda text: dim(text, sys.stdout), **vars(draft))
 
 
-def serve(args):
-    """Serve the model over the OpenAI and Anthropic HTTP APIs, batching concurrent requests."""
+@app.command()
+def serve(
+    host: Annotated[str, typer.Option(help="address to listen on; 0.0.0.0 serves other machines too")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(min=1, max=65535, help="port")] = 8080,
+    max_batch: Annotated[int, typer.Option(min=1, help="requests decoded together; more wait their turn")] = 8,
+    max_tokens: max_tokens_option("new tokens for a request that names no max_tokens") = 512,
+    prompt_cache_mb: Annotated[float, typer.Option(min=0, help="memory for finished requests' keys and values, reused by the next turn; 0 turns it off")] = 1024,
+    max_body_bytes: Annotated[int, typer.Option(min=1, help="largest request body accepted (413 above)", show_default="4 MiB")] = 4 << 20,
+    api_key: Annotated[Optional[str], typer.Option(help="the key every route but /health then needs (Authorization: Bearer KEY or x-api-key: KEY)", show_default=f"none, or ${API_KEY_ENV}")] = None,
+    max_queue: Annotated[Optional[int], typer.Option(min=0, help="requests that may wait for a place in the batch; more get 429", show_default="no limit")] = None,
+    keep_alive: Annotated[float, typer.Option(parser=positive_seconds, metavar="SECONDS", help="seconds between keep-alive comments of a streamed answer that waits or prefills")] = 5.0,
+    shutdown_timeout: Annotated[float, typer.Option(min=0, help="on SIGTERM, seconds running requests may finish")] = 30.0,
+    model: Model = None, dtype: Dtype = None, drafter: Drafter = None, beam_width: BeamWidth = None, beam_length: BeamLength = None,
+    max_nodes: MaxNodes = None, no_lookup: NoLookup = False, lookup_length: LookupLength = None, lookup_max_ngram: LookupMaxNgram = None,
+    datastore_beams: DatastoreBeams = None, log_prompts: LogPrompts = None, answer_store_mb: AnswerStoreMb = 64, split: Split = "pipeline",
+):
+    """An HTTP server with the OpenAI and Anthropic APIs that batches concurrent requests (see "Serving")."""
+    from redrafter_mlx.serving.process import is_loopback, listen, stopped_by_sigterm
     from redrafter_mlx.serving.server import run_server
 
-    draft, log = draft_settings(args), prompt_log(args)
-    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
-    if args.prompt_cache_mb < 0 or args.shutdown_timeout < 0 or args.keep_alive <= 0:
-        fail("--prompt-cache-mb and --shutdown-timeout take 0 or more, --keep-alive more than 0")
-    ranks = join_ranks(args)
-    if ranks is not None and ranks.rank > 0:  # the HTTP server is rank 0's; this rank follows its steps
-        from redrafter_mlx.serving.scheduler import follow
+    given = locals()
+    with checking_options():
+        draft = draft_settings(given)
+    with stopped_by_sigterm():  # a SIGTERM while loading or measuring ends cleanly too
+        log = prompt_log(log_prompts)
+        key = api_key or os.environ.get(API_KEY_ENV) or None
+        ranks = join_ranks(split)
+        if ranks.rank > 0:  # the HTTP server is rank 0's; this rank follows its steps
+            from redrafter_mlx.serving.scheduler import follow
 
-        redrafter, tokenizer = load_pair(args, ranks)
-        redrafter.answers = answer_store(args.answer_store_mb)
-        follow(redrafter, tokenizer.eos_token_ids, draft, args.max_batch)
+            redrafter, tokenizer = load_pair(model, drafter, dtype, ranks)
+            redrafter.answers = answer_store(answer_store_mb)
+            follow(redrafter, tokenizer.eos_token_ids, draft, max_batch)
+            ranks.end()
+            return
+        sock = listen(host, port)
+        if key is None and not is_loopback(host):
+            print(f"warning: serving beyond this machine ({host}) with no API key: anyone who can reach it may use it (--api-key)", file=sys.stderr)
+        redrafter, tokenizer = load_pair(model, drafter, dtype, ranks)
+        redrafter.answers = answer_store(answer_store_mb)
+        name = os.path.basename(model.rstrip("/")) if model else "SmolLM2-135M-Instruct"
+        run_server(redrafter, tokenizer, draft, sock, name, max_batch=max_batch, max_tokens=max_tokens,
+                   cache_bytes=int(prompt_cache_mb * 2**20), max_body_bytes=max_body_bytes, prompt_log=log, api_key=key,
+                   max_queue=max_queue, shutdown_timeout=shutdown_timeout, keep_alive=keep_alive,
+                   announce=lambda line: print(line, file=sys.stderr))
         ranks.end()
-        return
-    sock = listen(args.host, args.port)
-    if api_key is None and not is_loopback(args.host):
-        print(f"warning: serving beyond this machine ({args.host}) with no API key: anyone who can reach it may use it (--api-key)", file=sys.stderr)
-    redrafter, tokenizer = load_pair(args, ranks)
-    redrafter.answers = answer_store(args.answer_store_mb)
-    name = os.path.basename(args.model.rstrip("/")) if args.model else "SmolLM2-135M-Instruct"
-    print("measuring this machine's verification cost (cached after the first time)...", file=sys.stderr)
-    run_server(redrafter, tokenizer, draft, sock, name, max_batch=args.max_batch, max_tokens=args.max_tokens,
-               cache_bytes=int(args.prompt_cache_mb * 2**20), max_body_bytes=args.max_body_bytes, prompt_log=log,
-               api_key=api_key, max_queue=args.max_queue, shutdown_timeout=args.shutdown_timeout, keep_alive=args.keep_alive,
-               announce=lambda line: print(line, file=sys.stderr))
-    if ranks is not None:
-        ranks.end()
 
 
-def is_loopback(host: str) -> bool:
-    import ipaddress
-
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return host == "localhost"
-
-
-def listen(host: str, port: int):
-    """A socket bound to host:port, or one clear error (a port in use)."""
-    import socket
-
-    try:
-        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-        sock = socket.socket(family, kind, proto)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(address)
-    except OSError as e:
-        fail(f"cannot listen on {host}:{port} ({e.strerror or e})")
-    return sock
-
-
-def bench(args):
-    """Measure plain decoding against ReDrafter on the same prompts."""
-    from tqdm import tqdm
-
+@app.command()
+def bench(
+    prompts: Annotated[Optional[str], typer.Option(metavar="FILE", help="JSONL prompts file", show_default="8 built-in prompts")] = None,
+    num_prompts: Annotated[int, typer.Option(min=1, help="use the first N prompts, after --every")] = 8,
+    every: Annotated[int, typer.Option(min=1, help="use every K-th prompt of the file")] = 1,
+    max_tokens: max_tokens_option("tokens generated per prompt") = 128,
+    configs: Annotated[str, typer.Option(help="comma-separated: auto (the defaults), lookup (no drafter), nodes:K (the defaults' drafts, K nodes verified every step), rnn:WxL (the RNN's beams, all verified: the paper's method), both:WxL (those and one lookup continuation)")] = "auto,lookup,rnn:4x5,both:4x5",
+    batch_size: Annotated[int, typer.Option("--batch-size", "-b", min=1, help="prompts decoded together; 1 compares against mlx-lm's own loop")] = 1,
+    repeats: Annotated[int, typer.Option(min=1, help="times each batch is measured; its speed-up is their median")] = 1,
+    calibrate: Annotated[bool, typer.Option("--calibrate", help="measure the cost curve again first")] = False,
+    json_path: Annotated[Optional[str], typer.Option("--json", metavar="FILE", help="write results, machine and settings to this file", show_default="bench-DATE-TIME.json in the working folder")] = None,
+    plot: Annotated[Optional[str], typer.Option(metavar="PNG", help="draw the speed-ups to this PNG (needs matplotlib)")] = None,
+    profile: Annotated[bool, typer.Option("--profile", help="print the milliseconds a step spends drafting, packing, in the pass, choosing and accepting, committing and on the host")] = False,
+    model: Model = None, dtype: Dtype = None, drafter: Drafter = None,
+    temp: Temp = None, top_p: TopP = None, top_k: TopK = None, min_p: MinP = None, seed: Seed = None, split: Split = "pipeline",
+):
+    """Plain decoding against ReDrafter on the same prompts, alternating, in one process."""
     from redrafter_mlx.engine.sampling import make_chooser
     from redrafter_mlx.serving import bench as benchmark
-    from redrafter_mlx.serving.api import encode_prompt
     from redrafter_mlx.serving.prompts import read_prompts
 
-    configs = benchmark.parse_configs(args.configs)
-    if args.repetition_penalty is not None:
-        fail("bench compares against mlx-lm's own loop, which cannot apply --repetition-penalty here")
-    if args.plot:
+    given = locals()
+    with checking_options():
+        chosen = benchmark.parse_configs(configs)
+        sampling = sampling_settings(given)
+    if plot:
         try:
             import matplotlib  # noqa: F401
         except ImportError:
-            fail("--plot needs matplotlib: pip install matplotlib")
-    choose = make_chooser(sampling_settings(args))
-    texts = (read_prompts(args.prompts) if args.prompts else benchmark.DEFAULT_PROMPTS)[:: args.every][: args.num_prompts]
-    ranks = join_ranks(args)
-    redrafter, tokenizer = load_pair(args, ranks)
-    if redrafter.drafter is None and any(c.name.startswith(("rnn", "both")) for c in configs):
-        fail("the rnn and both configurations need a drafter")
-    env = dict(benchmark.environment(redrafter), ranks=ranks.size if ranks else 1, split=ranks.split if ranks else None)
-    print(f"device {env['device']}, BLAS {env['blas']}, dtype {env['dtype']}, mlx {env['mlx']}, mlx-lm {env['mlx_lm']}"
-          + (f", {ranks.size} ranks ({ranks.split})" if ranks else ""))
-    prompts = [encode_prompt(tokenizer, t) for t in texts]
-    curve = benchmark.calibration(redrafter, min(args.batch_size, len(prompts)), refresh=args.calibrate)
-    print(benchmark.format_curve(curve))
-    runs = args.repeats * -(-len(prompts) // args.batch_size) * len(configs)
-    with tqdm(total=runs, unit="run", desc="bench", file=sys.stderr, disable=bool(ranks and ranks.rank > 0)) as bar:
-        results = benchmark.run_benchmark(
-            redrafter, prompts, configs, max_tokens=args.max_tokens, batch_size=args.batch_size, repeats=args.repeats,
-            choose=choose, eos=list(tokenizer.eos_token_ids), progress=bar.update, curve=curve,
-        )
-    print(benchmark.format_table(results))
-    mismatched = [r.name for r in results if r.mismatches]
-    if mismatched:
-        print(f"WARNING: ReDrafter output differs from plain decoding for {', '.join(mismatched)}", file=sys.stderr)
-    if args.json and not (ranks and ranks.rank > 0):
-        used = dict(model=args.model or "default", drafter=args.drafter or "default", drafter_sha256=redrafter.drafter_identity or None,
-                    model_identity=redrafter.identity, prompts=args.prompts or "built-in", every=args.every, num_prompts=len(prompts),
-                    max_tokens=args.max_tokens, temp=args.temp or 0.0, top_p=args.top_p or 1.0, seed=args.seed or 0,
-                    batch_size=args.batch_size, repeats=args.repeats)
-        with open(args.json, "w") as f:
-            json.dump(benchmark.report(results, used, env, curve), f, indent=2)
-    if args.plot and not (ranks and ranks.rank > 0):
-        benchmark.plot_speedups(results, args.plot, f"speed-up, {env['device']} {env['dtype']}, batch {args.batch_size}")
-    if ranks is not None:
-        ranks.end()
+            raise Usage("--plot needs matplotlib: pip install matplotlib") from None
+    texts = (read_prompts(prompts) if prompts else benchmark.DEFAULT_PROMPTS)[::every][:num_prompts]
+    ranks = join_ranks(split)
+    redrafter, tokenizer = load_pair(model, drafter, dtype, ranks)
+    used = dict(model=model or "default", drafter=drafter or "default", prompts=prompts or "built-in", every=every,
+                max_tokens=max_tokens, temp=temp or 0.0, top_p=top_p or 1.0, seed=seed or 0, batch_size=batch_size, repeats=repeats)
+    benchmark.bench_command(redrafter, tokenizer, texts, chosen, make_chooser(sampling), used, ranks=ranks, refresh=calibrate,
+                            json_path=json_path, plot=plot, profile=profile)
+    ranks.end()
 
 
-def distill(args):
-    """Generate distillation data: the base model's own answers to prompts."""
+@app.command()
+def distill(
+    output: Annotated[str, typer.Option("--output", "-o", help="data folder to create, or to resume")],
+    prompts: Annotated[Optional[str], typer.Option(metavar="FILE", help="JSONL prompts file (serve and chat --log-prompts write such files)")] = None,
+    self_prompts: Annotated[Optional[int], typer.Option(min=1, metavar="N", help="instead of --prompts: the model writes N distinct user turns itself (kept in OUTPUT/self-prompts.jsonl), then answers them")] = None,
+    max_tokens: max_tokens_option("most answer tokens per prompt") = 256,
+    batch_size: Annotated[int, typer.Option("--batch-size", "-b", min=1, help="prompts generated together; finished ones are replaced by waiting ones")] = 64,
+    limit: Annotated[Optional[int], typer.Option(min=1, help="use only the first N prompts")] = None,
+    samples: Annotated[int, typer.Option(min=1, help="sampled answers per prompt (needs --temp above 0)")] = 1,
+    workers: Annotated[int, typer.Option(min=1, help="generating processes, each with one BLAS thread: 2 on a 2-core CPU, 1 on a GPU")] = 1,
+    model: Model = None, dtype: Dtype = None,
+    temp: Temp = None, top_p: TopP = None, top_k: TopK = None, min_p: MinP = None, repetition_penalty: RepetitionPenalty = None, seed: Seed = None,
+):
+    """Distillation data: the base model's own answers to prompts, and the hidden states behind them."""
     from redrafter_mlx.training.distill import distill_command
 
-    if (args.prompts is None) == (args.self_prompts is None):
-        fail("give either --prompts FILE or --self-prompts N")
-    totals = distill_command(args.output, args.model, dtype_of(args), sampling_settings(args), prompts=args.prompts,
-                             self_prompts=args.self_prompts, limit=args.limit, max_tokens=args.max_tokens,
-                             batch_size=args.batch_size, samples=args.samples, workers=args.workers)
+    given = locals()
+    with checking_options():
+        if (prompts is None) == (self_prompts is None):
+            raise UserError("give either --prompts FILE or --self-prompts N")
+        sampling = sampling_settings(given)
+    totals = distill_command(output, model, dtype_of(dtype), sampling, prompts=prompts, self_prompts=self_prompts, limit=limit,
+                             max_tokens=max_tokens, batch_size=batch_size, samples=samples, workers=workers)
     print(f"{totals['new_responses']} responses, {totals['new_tokens']} new tokens in {totals['seconds']:.0f} s; "
-          f"{args.output} holds {totals['responses']} responses to {totals['prompts']} prompts")
+          f"{output} holds {totals['responses']} responses to {totals['prompts']} prompts")
 
 
-def train(args):
+@app.command()
+def train(
+    data: Annotated[list[str], typer.Option(help="distillation data folder; repeat for several")],
+    output: Annotated[str, typer.Option("--output", "-o", help="drafter folder to write, holding only the drafter (uploadable as it is); training resumes from OUTPUT.train/")],
+    steps: Annotated[Optional[int], typer.Option(help="optimizer steps", show_default="2000")] = None,
+    batch_size: Annotated[Optional[int], typer.Option("--batch-size", "-b", help="training positions per step", show_default="1024")] = None,
+    learning_rate: Annotated[Optional[float], typer.Option(help="peak AdamW learning rate (linear warm-up, then cosine decay)", show_default="1e-3")] = None,
+    warmup: Annotated[Optional[int], typer.Option(help="warm-up steps", show_default="100")] = None,
+    weight_decay: Annotated[Optional[float], typer.Option(help="AdamW weight decay", show_default="0")] = None,
+    grad_clip: Annotated[Optional[float], typer.Option(help="clip the gradient's global norm", show_default="1")] = None,
+    warm_start: Annotated[bool, typer.Option("--warm-start", help="start from the base model's own output head (needs --exit-dim equal to its hidden size)")] = False,
+    freeze_head_steps: Annotated[Optional[int], typer.Option(help="with --warm-start: keep that head fixed for the first N steps", show_default="0")] = None,
+    hidden_loss: Annotated[Optional[float], typer.Option(help="weight of the squared error between the drafter's features and the model's next hidden states", show_default="0")] = None,
+    depth: Annotated[Optional[int], typer.Option(help="tokens drafted per position while training", show_default="5")] = None,
+    exit_dim: Annotated[Optional[int], typer.Option(help="width of the drafter's residual blocks", show_default="1024")] = None,
+    num_draft_layers: Annotated[Optional[int], typer.Option(help="residual blocks before the vocabulary projection", show_default="1")] = None,
+    draft_vocab: Annotated[Optional[int], typer.Option(help="project onto only the N most frequent generated tokens", show_default="0, all")] = None,
+    drafter_dtype: Annotated[Literal["float32", "bfloat16"], typer.Option(help="drafter weights while training: float32 or bfloat16")] = "float32",
+    eval_every: Annotated[Optional[int], typer.Option(help="evaluate on held-out positions every N steps", show_default="250")] = None,
+    save_every: Annotated[Optional[int], typer.Option(help="write a resumable checkpoint every N steps", show_default="250")] = None,
+    seed: Annotated[Optional[int], typer.Option(help="initialisation and data-order seed", show_default="0")] = None,
+    model: Model = None, dtype: Dtype = None,
+):
     """Train a drafter on distilled data (resumes from its checkpoint)."""
     from redrafter_mlx.training.train import TrainConfig, train_drafter
 
-    result = train_drafter(args.data, args.output, settings(TrainConfig, args, dtype=args.drafter_dtype), args.model, dtype_of(args),
-                           resumed=lambda step: print(f"resuming from step {step}"))
-    print(f"drafter written to {args.output}: {json.dumps(result)}")
+    given = dict(locals(), warm_start=warm_start or None)
+    with checking_options():
+        config = settings(TrainConfig, given, dtype=drafter_dtype)
+    result = train_drafter(data, output, config, model, dtype_of(dtype), resumed=lambda step: print(f"resuming from step {step}"))
+    print(f"drafter written to {output}: {json.dumps(result)}")
 
 
-def datastore(args):
-    """Add a datastore to a drafter (its base model's distilled answers).
+@app.command()
+def datastore(
+    data: Annotated[list[str], typer.Option(help="distillation data folder of the drafter's model; repeat for several")],
+    drafter: Annotated[str, typer.Option(help="drafter folder whose datastore.npy is written")],
+):
+    """Add a datastore to a drafter: its base model's distilled answers.
 
     Each step then also drafts what the model most often wrote after the
     context's last tokens. Answers to the prompts training holds out are
     left out."""
     from redrafter_mlx.training.datastore import add_datastore
 
-    path, tokens, answers = add_datastore(args.drafter, args.data)
+    path, tokens, answers = add_datastore(drafter, data)
     print(f"datastore written to {path}: {tokens:,} tokens of {answers:,} answers, {path.stat().st_size / 1e6:.1f} MB")
 
 
-def convert(args):
+@app.command()
+def convert(
+    torch_path: Annotated[str, typer.Option(help="a PyTorch trainer's output folder, or one .pt/.bin/.safetensors state dict")],
+    mlx_path: Annotated[str, typer.Option(help="output folder (must not exist, or be empty)")] = "mlx_drafter",
+    dtype: Annotated[Literal["float32", "float16", "bfloat16"], typer.Option(help="weight dtype")] = "float16",
+    quantize: Annotated[bool, typer.Option("--quantize", "-q", help="quantize the vocabulary projection")] = False,
+    q_bits: Annotated[Literal[4, 8], typer.Option(help="bits per weight with --quantize: 4 or 8")] = 4,
+    base_model: Annotated[Optional[str], typer.Option(help="check hidden size and vocabulary against this model")] = None,
+    config: Annotated[Optional[str], typer.Option(help="drafter config.json for a bare state dict")] = None,
+    vocab_size: Annotated[Optional[int], typer.Option(help="config field for a bare state dict", show_default="inferred")] = None,
+    hidden_size: Annotated[Optional[int], typer.Option(help="config field for a bare state dict", show_default="inferred")] = None,
+    exit_dim: Annotated[Optional[int], typer.Option(help="config field for a bare state dict", show_default="inferred")] = None,
+    num_draft_layers: Annotated[Optional[int], typer.Option(help="config field for a bare state dict", show_default="inferred")] = None,
+    rnn: Annotated[Optional[bool], typer.Option("--rnn/--no-rnn", help="config field for a bare state dict", show_default="inferred")] = None,
+):
     """Convert a drafter trained with PyTorch into the MLX drafter format."""
     from redrafter_mlx.convert import convert_checkpoint
 
-    config = {}
-    if args.config:
+    fields = {}
+    if config:
         try:
-            with open(args.config) as f:
-                config = json.load(f)
+            with open(config) as f:
+                fields = json.load(f)
         except (OSError, json.JSONDecodeError) as e:
-            fail(f"cannot read --config {args.config}: {e}")
-    fields = dict(vocab_size=args.vocab_size, hidden_size=args.hidden_size, exit_dim=args.exit_dim, num_draft_layers=args.num_draft_layers, rnn=args.rnn)
-    config.update({k: v for k, v in fields.items() if v is not None})
-    done = convert_checkpoint(args.torch_path, args.mlx_path, dtype=args.dtype, quantize_bits=args.q_bits if args.quantize else None,
-                              base_model=args.base_model, config=config or None)
+            raise UserError(f"cannot read --config {config}: {e}") from None
+    given = dict(vocab_size=vocab_size, hidden_size=hidden_size, exit_dim=exit_dim, num_draft_layers=num_draft_layers, rnn=rnn)
+    fields.update({k: v for k, v in given.items() if v is not None})
+    done = convert_checkpoint(torch_path, mlx_path, dtype=dtype, quantize_bits=int(q_bits) if quantize else None,
+                              base_model=base_model, config=fields or None)
     for note in done["notes"]:
         print(note)
     print(f"wrote {done['tensors']} tensors ({done['bytes'] / 1e6:.1f} MB) to {done['path']}")
 
 
-# -- the parser ---------------------------------------------------------------
+# -- the README's option tables -------------------------------------------------
 
 
-def build_parser() -> Parser:
-    parser = Parser(prog="redrafter-mlx", description="ReDrafter speculative decoding for mlx-lm models.")
-    commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
-    commands.required = True
+def command_options(name: str) -> list:
+    """The options of one command (click parameters), in declaration order."""
+    group = typer.main.get_command(app)
+    return [p for p in group.commands[name].params if isinstance(p, typer.core.TyperOption) and not p.hidden]
 
-    def command(function, *parents, **kwargs) -> Parser:
-        doc = function.__doc__.strip()
-        sub = commands.add_parser(function.__name__, parents=list(parents), help=doc.split("\n")[0].rstrip("."), description=doc, **kwargs)
-        sub.set_defaults(run=function)
-        return sub
 
-    p = command(generate, MODEL, DRAFTER, DRAFTING, SAMPLING, SPLIT)
-    p.add_argument("--prompt", "-p", default="hello", help="message for the model; '-' reads it from standard input (hello)")
-    p.add_argument("--prompts", metavar="FILE", help='JSONL file with a "prompt", "messages" or "tokens" per line: one JSON line per prompt, in order')
-    p.add_argument("--batch-size", "-b", type=at_least(1), default=1, help="with --prompts: prompts generated together (1)")
-    p.add_argument("--max-tokens", "-n", type=at_least(0), default=256, help="most new tokens (256)")
-    p.add_argument("--ignore-chat-template", action="store_true", help="encode the prompt as it is, without the chat template")
-    p.add_argument("--json", action="store_true", help="print one JSON object with the text, tokens and speed figures")
+def _default_text(option) -> str:
+    if option.required:
+        return "required"
+    if isinstance(option.show_default, str):
+        return option.show_default
+    if option.default is None or option.default is False or option.is_flag:
+        return ""
+    return str(option.default)
 
-    p = command(chat, MODEL, DRAFTER, DRAFTING, SAMPLING, PROMPT_LOG, ANSWERS)
-    p.add_argument("--max-tokens", "-n", type=at_least(0), default=512, help="most new tokens per answer (512)")
-    p.add_argument("--system-prompt", help="system message at the start of the conversation")
 
-    p = command(serve, MODEL, DRAFTER, DRAFTING, PROMPT_LOG, ANSWERS, SPLIT)
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1; 0.0.0.0 serves other machines too)")
-    p.add_argument("--port", type=int, default=8080, help="port (8080)")
-    p.add_argument("--max-batch", type=at_least(1), default=8, help="requests decoded together; more wait their turn (8)")
-    p.add_argument("--max-tokens", "-n", type=at_least(0), default=512, help="new tokens for a request that names no max_tokens (512)")
-    p.add_argument("--prompt-cache-mb", type=float, default=1024, help="memory for finished requests' keys and values, reused by the next turn; 0 turns it off (1024)")
-    p.add_argument("--max-body-bytes", type=at_least(1), default=4 << 20, help="largest request body accepted, 413 above (4 MiB)")
-    p.add_argument("--api-key", help=f"a key every route but /health then needs (Authorization: Bearer KEY or x-api-key: KEY); also read from ${API_KEY_ENV}")
-    p.add_argument("--max-queue", type=at_least(0), help="requests that may wait for a place in the batch; more get 429 with Retry-After (no limit)")
-    p.add_argument("--shutdown-timeout", type=float, default=30.0, help="on SIGTERM, seconds running requests may finish before they are ended (30)")
-    p.add_argument("--keep-alive", type=float, default=5.0, help="seconds between keep-alive comments of a streamed answer that is waiting or prefilling (5)")
+def _row(option) -> str:
+    flags = ", ".join(f"`{flag}`" for flag in option.opts + option.secondary_opts)
+    return f"| {flags} | {_default_text(option)} | {option.help} |"
 
-    p = command(bench, MODEL, DRAFTER, SAMPLING, SPLIT)
-    p.add_argument("--prompts", metavar="FILE", help="JSONL prompts file (default: 8 built-in prompts)")
-    p.add_argument("--num-prompts", type=at_least(1), default=8, help="use the first N prompts, after --every (8)")
-    p.add_argument("--every", type=at_least(1), default=1, help="use every K-th prompt of the file (1)")
-    p.add_argument("--max-tokens", "-n", type=at_least(1), default=128, help="tokens generated per prompt (128)")
-    p.add_argument("--configs", default="auto,lookup,rnn:4x5,both:4x5", help="comma-separated: auto (the defaults), lookup (context lookup only), nodes:K (the defaults' drafts, K nodes verified every step), rnn:WxL (the RNN's beams, all verified), both:WxL (those and one lookup continuation) (auto,lookup,rnn:4x5,both:4x5)")
-    p.add_argument("--batch-size", "-b", type=at_least(1), default=1, help="prompts decoded together; 1 compares against mlx-lm's own loop (1)")
-    p.add_argument("--repeats", type=at_least(1), default=1, help="times each batch is measured; its speed-up is their median (1)")
-    p.add_argument("--calibrate", action="store_true", help="measure this machine's cost curve again before the benchmark")
-    p.add_argument("--json", metavar="FILE", help="write the results, machine and settings to this JSON file")
-    p.add_argument("--plot", metavar="PNG", help="draw the speed-up per configuration (needs matplotlib)")
 
-    p = command(distill, MODEL, SAMPLING)
-    p.add_argument("--prompts", metavar="FILE", help='JSONL prompts file: a "prompt", "messages" or "tokens" per line (serve and chat --log-prompts write such files)')
-    p.add_argument("--self-prompts", type=at_least(1), metavar="N", help="instead of --prompts: the model writes N distinct user turns itself (kept in OUTPUT/self-prompts.jsonl), then answers them")
-    p.add_argument("--output", "-o", required=True, help="data folder to create, or to resume")
-    p.add_argument("--max-tokens", "-n", type=at_least(1), default=256, help="most answer tokens per prompt (256)")
-    p.add_argument("--batch-size", "-b", type=at_least(1), default=64, help="prompts generated together; finished ones are replaced by waiting ones (64)")
-    p.add_argument("--limit", type=at_least(1), help="use only the first N prompts")
-    p.add_argument("--samples", type=at_least(1), default=1, help="sampled answers per prompt; needs --temp above 0 (1)")
-    p.add_argument("--workers", type=at_least(1), default=1, help="generating processes, each with its own batch and one BLAS thread: 2 on a 2-core CPU, 1 on a GPU (1)")
+def option_table(options: list) -> str:
+    return "\n".join(["| option | default | meaning |", "|---|---|---|"] + [_row(o) for o in options])
 
-    p = command(train, MODEL)
-    p.add_argument("--data", action="append", required=True, help="distillation data folder made by distill; repeat for several")
-    p.add_argument("--output", "-o", required=True, help="drafter folder to write; training resumes from its checkpoint/")
-    p.add_argument("--steps", type=int, help="optimizer steps (2000)")
-    p.add_argument("--batch-size", "-b", type=int, help="training positions per step (1024)")
-    p.add_argument("--learning-rate", type=float, help="peak AdamW learning rate; linear warm-up, then cosine decay (1e-3)")
-    p.add_argument("--warmup", type=int, help="warm-up steps (100)")
-    p.add_argument("--weight-decay", type=float, help="AdamW weight decay (0)")
-    p.add_argument("--grad-clip", type=float, help="clip the gradient's global norm to this (1)")
-    p.add_argument("--warm-start", action="store_true", default=None, help="start from the base model's own head (needs --exit-dim equal to its hidden size)")
-    p.add_argument("--freeze-head-steps", type=int, help="with --warm-start: keep the head fixed for the first N steps (0)")
-    p.add_argument("--hidden-loss", type=float, help="weight of the squared error between the drafter's features and the base model's next hidden states (0)")
-    p.add_argument("--depth", type=int, help="tokens drafted per position while training (5)")
-    p.add_argument("--exit-dim", type=int, help="width of the drafter's residual blocks (1024)")
-    p.add_argument("--num-draft-layers", type=int, help="residual blocks before the vocabulary projection (1)")
-    p.add_argument("--draft-vocab", type=int, help="project onto only the N most frequent generated tokens; 0 for the whole vocabulary (0)")
-    p.add_argument("--drafter-dtype", default="float32", choices=["float32", "bfloat16"], help="drafter weights while training (float32)")
-    p.add_argument("--eval-every", type=int, help="evaluate on held-out positions every N steps (250)")
-    p.add_argument("--save-every", type=int, help="write a resumable checkpoint every N steps (250)")
-    p.add_argument("--seed", type=int, help="initialisation and data-order seed (0)")
 
-    p = command(datastore)
-    p.add_argument("--data", action="append", required=True, help="distillation data folder made for the drafter's base model; repeat for several")
-    p.add_argument("--drafter", required=True, help="drafter folder to add the datastore to (its datastore.npy is replaced)")
+def option_tables() -> dict:
+    """Markdown tables keyed by README marker: ``shared <panel>`` for each
+    shared group (with the commands that take it), ``command <name>`` for
+    each command's own options (and the shared groups it also takes)."""
+    names = list(typer.main.get_command(app).commands)
+    groups: dict = {}  # panel -> {option name: option}, in first-seen order
+    takes: dict = {}  # command -> {panel: [option names]}
+    users: dict = {}  # panel -> commands
+    for name in names:
+        for option in command_options(name):
+            panel = getattr(option, "rich_help_panel", None)
+            if panel is not None:
+                groups.setdefault(panel, {}).setdefault(option.name, option)
+                takes.setdefault(name, {}).setdefault(panel, []).append(option.name)
+                if name not in users.setdefault(panel, []):
+                    users[panel].append(name)
+    tables = {}
+    for name in names:
+        own = [o for o in command_options(name) if getattr(o, "rich_help_panel", None) is None]
+        table = option_table(own) if own else "No options of its own."
+        plus = []
+        for panel, taken in takes.get(name, {}).items():
+            left_out = [o for n, o in groups[panel].items() if n not in taken]
+            if len(taken) <= len(left_out):
+                plus.append(f"{panel} ({', '.join(f'`{groups[panel][n].opts[0]}`' for n in taken)} only)")
+            elif left_out:
+                plus.append(f"{panel} (not {', '.join(f'`{o.opts[0]}`' for o in left_out)})")
+            else:
+                plus.append(panel)
+        if plus:
+            table += f"\n\nPlus the shared options: {'; '.join(plus)}."
+        tables[f"command {name}"] = table
+    for panel, options in groups.items():
+        tables[f"shared {panel}"] = f"Taken by {', '.join(f'`{u}`' for u in users[panel])}:\n\n" + option_table(list(options.values()))
+    return tables
 
-    p = command(convert)
-    p.add_argument("--torch-path", required=True, help="PyTorch drafter: a trainer output folder, or one .pt/.bin/.safetensors state dict")
-    p.add_argument("--mlx-path", default="mlx_drafter", help="output folder, which must not exist or be empty (mlx_drafter)")
-    p.add_argument("--dtype", default="float16", choices=["float32", "float16", "bfloat16"], help="weight dtype (float16)")
-    p.add_argument("-q", "--quantize", action="store_true", help="quantize the vocabulary projection")
-    p.add_argument("--q-bits", type=int, default=4, choices=[4, 8], help="bits per weight with --quantize (4)")
-    p.add_argument("--base-model", help="check hidden size and vocabulary against this base model")
-    p.add_argument("--config", help="drafter config.json to use with a bare state dict")
-    for name in ("--vocab-size", "--hidden-size", "--exit-dim", "--num-draft-layers"):
-        p.add_argument(name, type=int, help="config field for a bare state dict (else inferred)")
-    p.add_argument("--rnn", action=argparse.BooleanOptionalAction, help="config field for a bare state dict (else inferred)")
-    return parser
+
+def render_readme(text: str) -> str:
+    """The README with every ``<!-- options: KEY -->`` ... ``<!-- end -->``
+    block replaced by the current table for KEY."""
+    import re
+
+    tables = option_tables()
+
+    def replace(match):
+        key = match.group(1)
+        if key not in tables:
+            raise KeyError(f"README names options {key!r}, which no command has")
+        return f"<!-- options: {key} -->\n{tables[key]}\n<!-- end -->"
+
+    return re.sub(r"<!-- options: (.+?) -->\n.*?<!-- end -->", replace, text, flags=re.S)
+
+
+# -- entry point ----------------------------------------------------------------
 
 
 def check_removed(argv: list) -> None:
@@ -514,7 +652,7 @@ def check_removed(argv: list) -> None:
     for arg in argv:
         flag = arg.split("=", 1)[0]
         if flag in removed:
-            fail(f"{flag} was removed: {removed[flag]}")
+            raise Usage(f"{flag} was removed: {removed[flag]}")
 
 
 def use_a_temp_dir_that_exists() -> None:
@@ -532,26 +670,47 @@ def use_a_temp_dir_that_exists() -> None:
             return
 
 
+def error_line(error: typer.TyperException) -> str:
+    """Click's error as one line; a usage error points at the right ``--help``."""
+    ctx = getattr(error, "ctx", None)
+    line = f"error: {error.format_message()}"
+    if getattr(error, "exit_code", 1) == 2:
+        line += f" (see {ctx.command_path if ctx is not None else PROG} --help)"
+    return line
+
+
 def main(argv=None) -> None:
-    """Entry point: runs a command, turning bad input into one error line."""
+    """Entry point: runs a command; bad input is one ``error:`` line."""
     argv = sys.argv[1:] if argv is None else list(argv)
     use_a_temp_dir_that_exists()
     try:
         check_removed(argv)
-        args = build_parser().parse_args(argv)
-        args.run(args)
+        status = typer.main.get_command(app).main(args=argv, prog_name=PROG, standalone_mode=False)
+    except typer.TyperException as e:  # Click's: usage errors exit 2
+        if type(e).__name__ == "NoArgsIsHelpError":  # the bare command shows its help
+            print(e.format_message())
+            sys.exit(0)
+        print(error_line(e), file=sys.stderr)
+        sys.exit(getattr(e, "exit_code", 1))
+    except Usage as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)
+    except (KeyboardInterrupt, typer.Abort):
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)
     except RuntimeError as e:
         if "MLX_RANK" not in os.environ:
             raise
         # One of several ranks: MLX's transport failed because another rank stopped.
         print(f"error: {e}; another rank stopped", file=sys.stderr)
         sys.exit(1)
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        sys.exit(130)
+    if isinstance(status, int) and status:
+        if status == 130:
+            print("interrupted", file=sys.stderr)
+        sys.exit(status)
 
 
 if __name__ == "__main__":

@@ -17,13 +17,32 @@ if not _os.path.exists(_os.path.join(__path__[0], "cli.py")) and _os.path.exists
 
 __version__ = "0.1.0"
 
-from .drafting.settings import DraftSettings  # noqa: E402
-from .engine.prompt_cache import load_prompt_cache, make_prompt_cache, save_prompt_cache  # noqa: E402
-from .engine.sampling import SamplingSettings, make_chooser  # noqa: E402
-from .loading.loader import load  # noqa: E402
-from .serving.api import batch_generate, generate, stream_generate  # noqa: E402
+# The public API, imported on first use: the command line's --help and
+# completion need none of it, and importing it loads mlx-lm and transformers.
+_API = {
+    "DraftSettings": "drafting.settings",
+    "load_prompt_cache": "engine.prompt_cache",
+    "make_prompt_cache": "engine.prompt_cache",
+    "save_prompt_cache": "engine.prompt_cache",
+    "SamplingSettings": "engine.sampling",
+    "make_chooser": "engine.sampling",
+    "load": "loading.loader",
+    "batch_generate": "serving.api",
+    "generate": "serving.api",
+    "stream_generate": "serving.api",
+}
+__all__ = list(_API)
 
-__all__ = [
-    "load", "generate", "stream_generate", "batch_generate", "DraftSettings", "SamplingSettings", "make_chooser",
-    "make_prompt_cache", "save_prompt_cache", "load_prompt_cache",
-]
+
+def __getattr__(name: str):
+    if name not in _API:
+        raise AttributeError(f"module 'redrafter_mlx' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(f".{_API[name]}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list:
+    return sorted(set(globals()) | set(_API))

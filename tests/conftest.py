@@ -197,7 +197,7 @@ class OracleDrafter:
         depth = mx.zeros(token_embeddings.shape[:-1] + (1,)) if state is None else state
         return depth + 1
 
-    def log_probs(self, hidden, state):
+    def log_probs(self, hidden, state, rows=None):
         distance = ((hidden[..., None, :] - self.hidden) ** 2).sum(-1)  # (..., T)
         position = mx.argmin(distance, axis=-1)
         depth = state[..., 0].astype(mx.int32)
@@ -212,15 +212,15 @@ class OracleDrafter:
         return draft_indices
 
 
-def run_cli(*args, input=None, timeout=600, env=None):
+def run_cli(*args, input=None, timeout=600, env=None, cwd=ROOT):
     """Run the command line from this checkout (``env``: variables to set
-    for it); returns the completed process."""
+    for it; ``cwd``: the working folder); returns the completed process."""
     import subprocess
 
     env = dict(os.environ, PYTHONPATH=ROOT, **(env or {}))
     return subprocess.run(
         [sys.executable, "-m", "redrafter_mlx.cli", *map(str, args)],
-        input=input, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env,
+        input=input, capture_output=True, text=True, timeout=timeout, cwd=cwd, env=env,
     )
 
 

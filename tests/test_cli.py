@@ -18,8 +18,11 @@ from redrafter_mlx.drafting.drafter import DrafterArgs, Drafter, save_drafter
 QUESTION = "What is the capital of France? Answer in one sentence."
 
 
-def assert_clean_error(result, message):
-    assert result.returncode != 0
+def assert_clean_error(result, message, status=None):
+    """One ``error:`` line holding ``message``, no traceback; exit status
+    ``status`` (2: a bad option value, 1: a failure at run time), or any
+    non-zero one."""
+    assert result.returncode != 0 if status is None else result.returncode == status, (result.returncode, result.stderr)
     lines = [l for l in result.stderr.splitlines() if l.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
     assert message in lines[0]
@@ -98,14 +101,18 @@ def test_prompts_file_gives_one_json_line_per_prompt_in_order(smol_drafter, tmp_
     [
         (["--beam-width", 0], "beam width"),
         (["--beam-length", 1], "beam length"),
-        (["--max-tokens", -1], "argument --max-tokens/-n: must be at least 0"),
+        (["--max-tokens", -1], "Invalid value for '--max-tokens' / '-n'"),
+        (["--max-tokens", 0], "Invalid value for '--max-tokens' / '-n'"),
         (["--temp", -1], "temperature"),
         (["--top-p", 1.5], "top-p"),
         (["--top-k", -2], "top-k"),
+        (["--prompt", ""], "--prompt is empty"),
+        (["--prompt", "   "], "--prompt is empty"),
     ],
 )
-def test_bad_settings_get_one_error_line(smol_drafter, args, message):
-    assert_clean_error(run_cli("generate", "--drafter", smol_drafter, "--prompt", "hi", *args), message)
+def test_bad_settings_exit_2_with_one_error_line(smol_drafter, args, message):
+    """Whether Click or a settings object finds the bad value, it is a usage error."""
+    assert_clean_error(run_cli("generate", "--drafter", smol_drafter, "--prompt", "hi", *args), message, status=2)
 
 
 def test_bad_drafters_and_prompts(smol_drafter, tmp_path):
@@ -179,13 +186,28 @@ def test_distill_then_train_on_two_folders_gives_a_drafter_generate_loads(tmp_pa
     assert not (tmp_path / "new").exists()
 
 
+def test_bench_counts_every_run_prints_a_line_per_prompt_and_saves_its_results(smol_drafter, tmp_path):
+    """With no --json, the results go to a dated file in the working folder."""
+    from redrafter_mlx.serving.bench import count_runs
+
+    result = run_cli("bench", "--drafter", smol_drafter, "--every", 4, "--num-prompts", 2, "--max-tokens", 4, "--configs", "auto,lookup", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    runs = count_runs(2, 2, 1)
+    assert f"{runs}/{runs}" in result.stderr  # warm-up and profiled runs counted
+    assert "batch 1/2: plain" in result.stderr and "batch 2/2: plain" in result.stderr and "auto " in result.stderr
+    (saved,) = tmp_path.glob("bench-*.json")
+    assert f"results saved to {saved.name}" in result.stdout
+    assert [r["config"] for r in json.loads(saved.read_text())["results"]] == ["auto", "lookup"]
+
+
 def test_bench_writes_json_and_plot(smol_drafter, tmp_path):
     pytest.importorskip("matplotlib")
     result = run_cli(
         "bench", "--drafter", smol_drafter, "--every", 3, "--num-prompts", 1, "--max-tokens", 6, "--configs", "auto,lookup,rnn:2x3,both:1x2",
-        "--json", tmp_path / "b.json", "--plot", tmp_path / "b.png",
+        "--json", tmp_path / "b.json", "--plot", tmp_path / "b.png", "--profile",
     )
     assert result.returncode == 0, result.stderr
+    assert "milliseconds per step, by phase" in result.stdout and "drafting" in result.stdout and "a plain token" in result.stdout
     assert "OpenBLAS" in result.stdout or "Accelerate" in result.stdout or "BLAS" in result.stdout
     assert "verification cost" in result.stdout and "RNN beam search" in result.stdout
     report = json.loads((tmp_path / "b.json").read_text())
@@ -199,9 +221,10 @@ def test_bench_writes_json_and_plot(smol_drafter, tmp_path):
         assert r["mismatches"] == 0 and r["baseline_tps"] > 0 and r["tokens_per_step"] >= 1
         assert r["nodes_per_step"] >= 1 and r["overhead_share"] >= 0
         assert abs(sum(r["time_split"].values()) - 1) < 1e-6
+        assert set(r["step_ms"]) == {"host", "packing", "pass", "choice", "drafting", "commit"} and r["step_ms"]["pass"] > 0
     assert report["results"][2]["nodes_per_step"] > 1  # rnn:2x3 verifies its beams
     assert (tmp_path / "b.png").read_bytes()[:4] == b"\x89PNG"
-    assert_clean_error(run_cli("bench", "--configs", "fast"), "unknown bench configuration")
+    assert_clean_error(run_cli("bench", "--configs", "fast"), "unknown bench configuration", status=2)
     assert_clean_error(run_cli("bench", "--configs", "auto,lookuplen:0"), "unknown bench configuration 'lookuplen:0'")
 
 
@@ -213,12 +236,18 @@ def test_bench_writes_json_and_plot(smol_drafter, tmp_path):
         (["train", "--hidden-dropout", 0.1, "--data", "d", "-o", "o"], "--hidden-dropout was removed"),
         (["train", "--lookup-weight", 0.3, "--data", "d", "-o", "o"], "--lookup-weight was removed"),
         (["train", "--no-rnn", "--data", "d", "-o", "o"], "--no-rnn was removed"),
-        (["generate", "--no-such-option"], "unrecognized arguments: --no-such-option"),
-        (["frobnicate"], "invalid choice: 'frobnicate'"),
+        (["generate", "--no-such-option"], "No such option: --no-such-option"),
+        (["frobnicate"], "No such command 'frobnicate'"),
+        (["serve", "--port", 99999], "Invalid value for '--port'"),
+        (["serve", "--port", 0], "Invalid value for '--port'"),
+        (["serve", "--keep-alive", 0], "Invalid value for '--keep-alive': must be more than 0"),
+        (["bench", "--repetition-penalty", 1.1], "No such option: --repetition-penalty"),
+        (["train", "--output", "o"], "Missing option '--data'"),
+        (["generate", "--dtype", "float8"], "Invalid value for '--dtype'"),
     ],
 )
-def test_removed_and_unknown_options_get_one_error_line(args, message):
-    assert_clean_error(run_cli(*args), message)
+def test_removed_unknown_and_out_of_range_options_exit_2_with_one_error_line(args, message):
+    assert_clean_error(run_cli(*args), message, status=2)
 
 
 def test_help_lists_every_command_and_option_defaults():
@@ -294,7 +323,7 @@ def test_a_model_with_no_shipped_drafter_drafts_by_lookup_and_says_so(chat_model
     "args, message",
     [
         (["--max-nodes", -1], "max nodes"),
-        (["--max-nodes", "many"], "argument --max-nodes: takes a whole number or 'auto'"),
+        (["--max-nodes", "many"], "Invalid value for '--max-nodes': takes a whole number or 'auto'"),
         (["--lookup-max-ngram", 0], "lookup max ngram must be at least 1"),
         (["--lookup-length", 0], "lookup length"),
         (["--datastore-beams", -1], "datastore beams"),
@@ -347,7 +376,7 @@ def test_loading_warns_when_mlx_runs_on_the_reference_blas():
 def test_self_prompts_bad_input_gets_one_error_line_and_loses_nothing(chat_model, tmp_path):
     model, _, _, _, _ = chat_model
     assert_clean_error(run_cli("distill", "-o", tmp_path / "a"), "either --prompts FILE or --self-prompts N")
-    assert_clean_error(run_cli("distill", "--self-prompts", 0, "-o", tmp_path / "a"), "argument --self-prompts: must be at least 1")
+    assert_clean_error(run_cli("distill", "--self-prompts", 0, "-o", tmp_path / "a"), "Invalid value for '--self-prompts'", status=2)
     # A model without a chat template has no user turn to write.
     plain = tmp_path / "plain"
     shutil.copytree(model, plain)
@@ -392,18 +421,96 @@ def test_distill_answers_a_prompt_log_and_the_log_option_fails_cleanly(chat_mode
         assert_clean_error(run_cli(command, "--model", model, "--log-prompts", tmp_path / "no" / "log.jsonl"), "cannot write the prompt log")
 
 
-def test_the_readme_has_a_table_row_for_every_option_of_every_command():
-    import argparse
+def test_version_and_shell_completion_in_a_throw_away_home(tmp_path):
+    home = {"HOME": str(tmp_path), "SHELL": "/bin/bash"}
+    version = run_cli("--version", env=home)
+    assert version.returncode == 0 and version.stdout.strip() == "redrafter-mlx 0.1.0"
+    shown = run_cli("--show-completion", "bash", env=home)
+    assert shown.returncode == 0 and "_REDRAFTER_MLX_COMPLETE" in shown.stdout, shown.stderr
+    installed = run_cli("--install-completion", "bash", env=home)
+    assert installed.returncode == 0, installed.stderr
+    assert "redrafter-mlx" in (tmp_path / ".bashrc").read_text()
+    script = tmp_path / ".bash_completions" / "redrafter-mlx.sh"
+    assert "_REDRAFTER_MLX_COMPLETE" in script.read_text()
+    # What the installed script asks the command when Tab is pressed.
+    completed = run_cli(env=dict(home, _REDRAFTER_MLX_COMPLETE="complete_bash", COMP_WORDS="redrafter-mlx gen", COMP_CWORD="1"))
+    assert completed.returncode == 0 and "generate" in completed.stdout.split()
+    options = run_cli(env=dict(home, _REDRAFTER_MLX_COMPLETE="complete_bash", COMP_WORDS="redrafter-mlx serve --max-b", COMP_CWORD="2"))
+    assert "--max-batch" in options.stdout.split() and "--max-body-bytes" in options.stdout.split()
 
-    from redrafter_mlx.cli import build_parser
+
+def test_the_bare_command_and_help_exit_0_without_a_traceback():
+    for args in ([], ["--help"], ["-h"], ["chat", "--help"]):
+        result = run_cli(*args)
+        assert result.returncode == 0 and "Traceback" not in result.stderr, (args, result.stderr)
+        assert "Usage" in result.stdout
+    chat_help = run_cli("chat", "--help").stdout
+    for command in ("/help", "/reset", "/stats", "/quit", "exit", "Ctrl-C"):
+        assert command in chat_help
+
+
+def test_a_failure_at_run_time_exits_1(smol_drafter, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "a"}\n{"prompt": "b",, }\n')
+    assert_clean_error(run_cli("generate", "--prompts", prompts), "line 2, column 16: not valid JSON", status=1)
+    assert_clean_error(run_cli("generate", "--prompts", tmp_path / "missing.jsonl"), "prompts file not found", status=1)
+
+
+def test_an_answer_cut_by_max_tokens_says_so(smol_drafter):
+    cut = run_cli("generate", "--drafter", smol_drafter, "--prompt", "Write a long story about the sea.", "--max-tokens", 5)
+    assert cut.returncode == 0, cut.stderr
+    assert "[stopped at --max-tokens 5]" in cut.stderr and "[stopped" not in cut.stdout
+    whole = run_cli("generate", "--drafter", smol_drafter, "--prompt", QUESTION, "--max-tokens", 64)
+    assert whole.returncode == 0 and "[stopped" not in whole.stderr, whole.stderr
+
+
+def test_serve_ended_by_sigterm_while_it_measures_exits_0(tmp_path):
+    """A cost curve not yet measured on this machine (an empty cache): the
+    server measures it before it serves; a SIGTERM then ends it cleanly."""
+    import signal
+    import subprocess
+    import sys
+
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, PYTHONPATH=ROOT, REDRAFTER_MLX_CACHE=str(tmp_path))
+    process = subprocess.Popen([sys.executable, "-m", "redrafter_mlx.cli", "serve", "--port", str(port)], cwd=ROOT, env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        seen = []
+        for line in process.stderr:
+            seen.append(line)
+            if line.startswith("measuring this machine's verification cost"):
+                break
+        process.send_signal(signal.SIGTERM)
+        status = process.wait(timeout=120)
+        rest = process.stderr.read()
+    finally:
+        process.kill()
+    assert status == 0, "".join(seen) + rest
+    assert "stopped (SIGTERM) before serving" in rest and "Traceback" not in rest
+
+
+def test_the_readme_holds_the_option_tables_the_declarations_make():
+    """The README's option tables are rendered from the same declarations
+    as --help (scripts/readme_options.py writes them); every option of every
+    command appears in one."""
+    from redrafter_mlx.cli import command_options, option_tables, render_readme
 
     with open(os.path.join(ROOT, "README.md")) as f:
-        rows = "\n".join(line for line in f if line.startswith("|"))
-    commands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
-    missing = []
-    for name, parser in commands.choices.items():
-        for action in parser._actions:
-            for flag in action.option_strings:
-                if flag.startswith("--") and flag != "--help" and f"`{flag}`" not in rows:
-                    missing.append(f"{name} {flag}")
-    assert not missing
+        readme = f.read()
+    assert render_readme(readme) == readme, "run: python3 scripts/readme_options.py"
+    tables = option_tables()
+    for key in tables:
+        assert f"<!-- options: {key} -->" in readme
+    import typer.main
+
+    from redrafter_mlx.cli import app
+
+    rows = "\n".join(line for line in readme.splitlines() if line.startswith("|"))
+    for name in typer.main.get_command(app).commands:
+        for option in command_options(name):
+            assert f"`{option.opts[0]}`" in rows, f"{name} {option.opts[0]}"

@@ -29,6 +29,7 @@ def beam_search(
     beam_length: int,
     later_rows: Optional[int] = None,
     partial: bool = False,
+    first_rows: Optional[int] = None,
 ) -> tuple[mx.array, mx.array]:
     """Draft ``beam_width`` continuations of ``beam_length - 1`` tokens.
 
@@ -44,7 +45,7 @@ def beam_search(
             ``later_rows`` entries of the draft vocabulary only (its most
             frequent tokens, the order ``train`` gives a reduced one), which
             cuts the vocabulary projection that bounds the search; None
-            scores all.
+            scores all. first_rows: the same for the first drafted token.
         partial: also return the partial beams the search held at each
             depth before the last (what a search of that length would
             return), which the final beams need not extend: the nodes the
@@ -62,12 +63,12 @@ def beam_search(
             partial beam's end).
     """
     batch = first_tokens.shape[0]
-    width = min(beam_width, drafter.draft_vocab_size)
+    width = min(beam_width, drafter.draft_vocab_size, first_rows or beam_width)
     hidden = hidden[:, None, :]
 
     # The first drafted token: one beam expands into `width` beams.
     state = drafter.update_state(embed(first_tokens)[:, None, :], None)  # (B, 1, D)
-    logprobs = drafter.log_probs(hidden, state)[:, 0]  # (B, V)
+    logprobs = drafter.log_probs(hidden, state, first_rows)[:, 0]  # (B, V or first_rows)
     draft_index = _top_k(logprobs, width)  # (B, W)
     scores = mx.take_along_axis(logprobs, draft_index, axis=-1)
     tokens = drafter.token_ids(draft_index).astype(mx.int32)

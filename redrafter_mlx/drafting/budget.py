@@ -15,8 +15,11 @@ run's own statistics soon decide: a short answer has no steps to spend on
 learning that the drafter is over-confident.
 """
 
-from collections import defaultdict
+from collections import defaultdict, deque
 from typing import Optional
+
+
+KEPT_SEARCHES = 8  # full-length searches whose kept depths are remembered
 
 
 class AcceptanceStats:
@@ -37,6 +40,10 @@ class AcceptanceStats:
         self.priors = priors or {}
         self.accepted = defaultdict(float)
         self.predicted = defaultdict(float)
+        # The depths the trees of the last full-length searches kept RNN
+        # nodes at (``speculator.Speculator.search_length``), carried from
+        # run to run as the statistics are.
+        self.kept_depths: deque = deque(maxlen=KEPT_SEARCHES)
 
     def _prior(self, key) -> tuple[float, float]:
         if key in self.priors:
@@ -75,16 +82,19 @@ class AcceptanceStats:
                         self.observe(key, predicted, node in accepted)
 
 
-def best_node_count(gains: list[list[float]], cost, max_nodes: int, extra_seconds: float = 0.0) -> tuple[int, float]:
+def best_node_count(gains: list[list[float]], cost, max_nodes: int, extra_seconds: float = 0.0,
+                    plain_seconds: Optional[float] = None) -> tuple[int, float]:
     """The K in 0 .. max_nodes maximising expected tokens per second over the
     batch, sum over rows of (1 + the K best p_i) / (cost(K + 1) + extra);
-    returns (K, that rate).
+    returns (K, that rate). K = 0 is a plain step: one token per row in
+    ``plain_seconds`` (default: a pass of one token plus the extra).
 
     gains: per row, P(accepted) of its candidate nodes, best first.
     cost: n -> seconds of a verification pass of n new tokens per row.
-    extra_seconds: what producing the candidates costs per step.
+    extra_seconds: what a drafting step costs besides its pass (its fixed
+    cost, and producing the candidates).
     """
-    best, best_rate = 0, len(gains) / (cost(1) + extra_seconds)
+    best, best_rate = 0, len(gains) / (cost(1) + extra_seconds if plain_seconds is None else plain_seconds)
     totals = [0.0] * len(gains)
     for k in range(1, max_nodes + 1):
         for r, row in enumerate(gains):

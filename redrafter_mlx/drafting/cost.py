@@ -28,11 +28,23 @@ CACHE_ENV = "REDRAFTER_MLX_CACHE"
 class CostCurve:
     """sizes: node counts per row; seconds: one verification pass of that
     many new tokens per row; draft_seconds: one RNN beam search of the beam
-    shape in use (0 without a drafter)."""
+    shape in use (0 without a drafter); step_seconds: what a drafting step
+    costs besides its pass and its search (building, packing and choosing
+    over the tree, committing the path, the host's bookkeeping);
+    plain_seconds: one token of pipelined plain decoding (None: a pass of
+    one token). A step of n nodes costs ``curve(n) + step_seconds`` (plus
+    ``draft_seconds`` with the RNN); plain decoding ``plain`` a token."""
 
     sizes: list
     seconds: list
     draft_seconds: float = 0.0
+    step_seconds: float = 0.0
+    plain_seconds: Optional[float] = None
+
+    @property
+    def plain(self) -> float:
+        """Seconds of one plain token."""
+        return self.seconds[0] if self.plain_seconds is None else self.plain_seconds
 
     def __call__(self, nodes: int) -> float:
         """Seconds for ``nodes`` new tokens per row, interpolated linearly
@@ -82,18 +94,22 @@ def _write_cache(path: Path, data: dict) -> None:
         print(f"warning: cannot write the cost cache {path} ({e})", file=sys.stderr)
 
 
-def cached_curve(key: str, draft_key: Optional[str], measure: Callable[[tuple], CostCurve], refresh: bool = False) -> CostCurve:
+def cached_curve(key: str, draft_key: Optional[str], measure: Callable[[tuple, bool], CostCurve], refresh: bool = False) -> CostCurve:
     """The curve cached under ``key`` (and the beam search's seconds under
-    ``draft_key``, None without a drafter), measured with ``measure(sizes)``
-    when missing, unreadable, or ``refresh``; ``measure`` times a pass of
-    each size, and the beam search when there is one."""
+    ``draft_key``, None without a drafter), measured with ``measure(sizes,
+    steps)`` when missing, unreadable, or ``refresh``; ``measure`` times a
+    pass of each size, the beam search when there is one, and with
+    ``steps`` what the engine's steps cost besides their passes."""
     path = cache_path()
     data = _read_cache(path)
     curve = draft = None
     if not refresh:
         try:
-            if key in data and not data[key].get("stale"):
-                curve = CostCurve([int(n) for n in data[key]["sizes"]], [float(t) for t in data[key]["seconds"]])
+            entry = data.get(key)
+            # (an entry from before steps were measured lacks their costs: measured again)
+            if entry is not None and not entry.get("stale") and "step_seconds" in entry:
+                curve = CostCurve([int(n) for n in entry["sizes"]], [float(t) for t in entry["seconds"]],
+                                  step_seconds=float(entry["step_seconds"]), plain_seconds=float(entry["plain_seconds"]))
                 if len(curve.sizes) != len(curve.seconds) or len(curve.sizes) < 2:
                     raise ValueError("sizes and seconds differ")
             if draft_key in data:
@@ -102,10 +118,13 @@ def cached_curve(key: str, draft_key: Optional[str], measure: Callable[[tuple], 
             print(f"warning: the cost cache {path} has a bad entry ({e}); measuring again", file=sys.stderr)
             curve = draft = None
     if curve is None or (draft_key and draft is None):
-        measured = measure(SIZES if curve is None else (1,))
+        what = "this machine's verification cost" if curve is None else "the drafter's search cost"
+        print(f"measuring {what} for this model (a few seconds, once; cached in {path})...", file=sys.stderr, flush=True)
+        measured = measure(SIZES if curve is None else (1,), curve is None)
         if curve is None:
-            curve = CostCurve(measured.sizes, measured.seconds)
-            data[key] = {"sizes": curve.sizes, "seconds": curve.seconds}
+            curve = CostCurve(measured.sizes, measured.seconds, step_seconds=measured.step_seconds, plain_seconds=measured.plain_seconds)
+            data[key] = {"sizes": curve.sizes, "seconds": curve.seconds, "step_seconds": curve.step_seconds,
+                         "plain_seconds": curve.plain_seconds}
         if draft_key:
             draft = measured.draft_seconds
             data[draft_key] = {"draft_seconds": draft}

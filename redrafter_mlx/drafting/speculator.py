@@ -2,29 +2,43 @@
 datastore continuations and earlier answers, merged into one prefix tree per
 row and pruned to the nodes worth their verification cost.
 
-``Speculator`` owns the per-run state: a lookup index per prompt, the
-on-line acceptance statistics, and the mode of each step:
+``Speculator`` owns the per-run policy and hands each step one ``Plan``,
+which the engine's ``Decoder.step`` executes. A plan's mode is
 
 - ``rnn``: the RNN's beams join the cheap drafts;
 - ``lookup``: the cheap drafts alone (lookup, datastore, earlier answers);
-- ``plain``: nothing drafted: plain decoding, which the engine pipelines.
+- ``plain``: nothing drafted: plain decoding, which the engine pipelines as
+  mlx-lm does (``Plan.ahead``: the next pass is issued before this one's
+  token is read).
 
-Within ``rnn`` and ``lookup`` the budget sizes each step's tree by the cost
-curve. The RNN's search costs time too, so the tokens per curve second of
-steps with and without its beams are compared (tokens really produced, not
-estimated: the estimates that choose the nodes run high), the RNN is turned
-off while the cheap drafts alone do better, and tried again now and then.
+The cost curve prices every choice (``cost.CostCurve``): a tree pass of n
+nodes, the step's fixed cost besides its pass, the RNN's search, and one
+plain token. So a run whose drafting cannot pay on this machine whatever is
+accepted (a pass so cheap that the fixed cost alone outweighs it) is plain
+from its first step and never tries. Within ``rnn`` and ``lookup`` the
+budget sizes each step's tree by the curve, and a step whose best tree is
+worth less than plain decoding decodes plainly. The RNN is turned off
+while the steps without its beams produce more tokens per curve second
+(tokens really produced, not estimated), and tried again now and then.
+
+The search drafts as deep as the budget keeps its nodes: the RNN's nodes
+beyond a depth or two rarely make the tree, and each depth of the search
+costs as much as the first few. Every ``RESHAPE_STEPS``-th search (and the
+first few) runs the whole beam length; the others stop at the deepest
+depth whose RNN nodes those full searches' trees kept often enough.
 
 A run that does not gain turns to plain decoding: when the budget verified
 nothing for a few steps in a row, or when the last ``WINDOW`` drafting
-steps produced fewer tokens per second of the cost curve than plain steps
-would (one token per row at the curve's cost of one node). Real steps are
-held against the curve elsewhere (the decoder's drift check measures it
-again when they part), so this choice reads no clock: every rank of a
-split model makes it alike. It drafts again after ``PLAIN_STEPS`` steps.
+steps produced fewer tokens per curve second than plain steps would. It
+drafts again after an interval of plain steps that doubles after each
+retry that does not gain (so retries stay a small share of the time) and
+shrinks back after one that does. Real steps are held against the curve
+elsewhere (the decoder's drift check), so these choices read no clock:
+every rank of a split model makes them alike.
 """
 
 from collections import deque
+from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
@@ -41,15 +55,43 @@ EXPLORE_STEPS = 8  # every this many steps, verify one node more than the budget
 RATE_MEMORY = 0.8  # weight of the past in the running estimate of lookup alone
 MEASURED_MEMORY = 0.7  # weight of the past in the running measured tokens and seconds
 CARRIED_WEIGHT = 4.0  # predicted mass (a few steps' worth) that earlier runs' statistics weigh as
-WINDOW = 8  # drafting steps whose wall-clock rate is held against plain decoding's
-IDLE_STEPS = 3  # steps in a row that verified nothing before a run turns plain
-PLAIN_STEPS = 16  # plain steps before drafting is tried again
+WINDOW = 8  # drafting steps whose rate is held against plain decoding's
+IDLE_STEPS = 3  # steps in a row that verified nothing before a run turns plain (one on a retry)
+PLAIN_STEPS = 16  # plain steps before drafting is tried again, at first
+MAX_PLAIN_STEPS = 4096  # the longest interval the doubling reaches
+RESHAPE_STEPS = 16  # every this many searches, one of the whole beam length
+KEPT_SHARE = 0.5  # a depth is searched while this share of full searches' trees kept an RNN node there
+
+
+@dataclass
+class Plan:
+    """What one step does.
+
+    mode: ``plain``, ``rnn`` or ``lookup``.
+    trees: the tree each row verifies (None for a plain step).
+    search: the RNN searches the next step's beams in this step's graph.
+    search_length: their length, the root included (2 .. beam_length).
+    ahead: a plain step issues the next step's plain pass before its own
+        token is read (the next step is plain too).
+    predicted: curve seconds this step is expected to take (drafting steps;
+        the drift check holds real steps against it).
+    one_node: curve seconds of a plain token (what the step is held against).
+    """
+
+    mode: str
+    trees: Optional[list] = None
+    search: bool = False
+    search_length: int = 0
+    ahead: bool = False
+    predicted: float = 0.0
+    one_node: float = 0.0
 
 
 class Speculator:
-    """Per-run drafting state for a batch: ``track`` each prompt (its
+    """Per-run drafting policy for a batch: ``track`` each prompt (its
     context list, the row tracker's, which grows as tokens are committed)
-    before it drafts, ``drop`` it when it leaves.
+    before it drafts, ``drop`` it when it leaves; ``plan`` each step and
+    ``observe`` what a drafting step accepted.
 
     history: what earlier runs of this model and drafter had accepted
     (``ReDrafter.acceptance``); this run starts from it and adds to it.
@@ -65,7 +107,7 @@ class Speculator:
                  datastore: Optional[Datastore] = None, answers: Optional[AnswerStore] = None, chains: bool = False):
         self.settings = settings
         self.chains = chains
-        self.has_drafter = has_drafter
+        self.drafter_present = self.has_drafter = has_drafter  # (has_drafter: and its search can pay on this curve)
         self.datastore = datastore if settings.datastore_beams else None
         self.answers = answers
         self.contexts, self.kinds, self.indexes = {}, {}, {}
@@ -75,18 +117,22 @@ class Speculator:
         self.steps_off = 0
         self.lookup_estimate = None  # running estimated tokens per curve second without the RNN, before such steps ran
         self.measured = {"rnn": None, "lookup": None}  # running (tokens, curve seconds) of the steps of each mode
-        self.pending = None  # (mode, seconds on the cost curve) of the step being verified
-        self.window = deque(maxlen=WINDOW)  # (tokens, curve seconds, curve seconds of one node, rows) of recent drafting steps
+        self.window = deque(maxlen=WINDOW)  # (tokens, curve seconds, curve seconds of a plain token, rows) of recent drafting steps
         self.idle = 0  # steps in a row that verified nothing
-        self.plain_left = PLAIN_STEPS if settings.max_nodes == 0 else 0  # plain steps still to run
+        self.plain_left = 0  # plain steps still to run before drafting is tried again
+        self.interval = PLAIN_STEPS  # plain steps before the next retry
+        self.retrying = False  # drafting again after plain steps, not yet shown to gain
         self.steps = 0
+        self.last: Optional[Plan] = None
+        self.last_mode = "lookup"  # what the step being planned drafts with
+        self.never = False  # this curve says no drafting can pay: the run is plain throughout
+        self.curve = None  # the curve ``never`` and ``has_drafter`` were decided for
+        self.searches = 0
+        # Per full-length search: the depths its tree kept RNN nodes at (the
+        # history's, which earlier runs of this pair filled).
+        self.kept_depths = (history or self.stats).kept_depths
 
-    @property
-    def mode(self) -> str:
-        """The next step's: ``plain``, ``rnn`` or ``lookup``."""
-        if self.plain_left or self.settings.max_nodes == 0:
-            return "plain"
-        return "rnn" if self.use_rnn() else "lookup"
+    # -- rows -------------------------------------------------------------
 
     def track(self, row: int, context: list, sampled: bool = False) -> None:
         self.contexts[row] = context
@@ -98,58 +144,176 @@ class Speculator:
         for table in (self.indexes, self.contexts, self.kinds):
             table.pop(row, None)
 
+    # -- the policy ----------------------------------------------------------
+
+    @property
+    def forced(self) -> bool:
+        """Whether the settings fix the node count (no curve decides)."""
+        return self.settings.max_nodes is not None
+
+    @property
+    def mode(self) -> str:
+        """The next step's mode, as far as it is known before its plan."""
+        if self.settings.max_nodes == 0 or self.plain_left or self.never:
+            return "plain"
+        return "rnn" if self.use_rnn() else "lookup"
+
     def use_rnn(self) -> bool:
         """Whether the next step drafts with the RNN (its search then runs
         in this step's graph)."""
-        if not self.has_drafter or self.plain_left:
+        if not self.has_drafter or self.plain_left or self.never or self.settings.max_nodes == 0:
             return False
         if self.rnn_on:
             return True
         return (self.steps_off + 1) % RNN_RETRY_STEPS == 0
 
-    def trees(self, rows: list, roots: list, beams: Optional[np.ndarray], conditionals: Optional[np.ndarray], cost=None, plain: bool = False) -> list[RowTree]:
-        """The tree each row verifies. rows: the prompt of each batch row;
-        roots: each row's last chosen token; beams (B, W, L) and
-        conditionals (B, W, L - 1): the RNN's beams (partial ones ending at
-        NO_TOKEN) and the drafter's probability of each drafted token, or
-        None when it did not run.
-        cost: the cost curve (``CostCurve``) when ``max_nodes`` is None.
-        plain: the step is plain whatever the mode (its pass ran ahead)."""
+    def judge(self, cost, rows: int) -> None:
+        """Decide, once per curve, what can pay at all: a drafting step's
+        best case (every node of the largest tree accepted) against plain
+        decoding. The RNN is kept off where its search alone forbids it; a
+        run is plain throughout where nothing can pay."""
+        if cost is None or cost is self.curve or self.forced:
+            return
+        self.curve = cost
+        # At most one path is accepted: a step gains at most its deepest
+        # draft, and the RNN at most its beams' length.
+        settings = self.settings
+        cheap_depth = max(settings.lookup_length if settings.lookup or self.answers is not None else 0,
+                          settings.beam_length - 1 if self.datastore is not None else 0)
+        rnn_depth = settings.beam_length - 1
+
+        def best(depth: int, extra: float) -> float:
+            return max((rows * (1 + n) / (cost(n + 1) + cost.step_seconds + extra) for n in range(1, depth + 1)), default=0.0)
+
+        plain = rows / cost.plain
+        with_rnn = best(rnn_depth, cost.draft_seconds)
+        cheap = best(cheap_depth, 0.0)
+        self.has_drafter = self.drafter_present and with_rnn > plain
+        if not self.has_drafter:
+            self.rnn_on = False
+        self.never = max(cheap, with_rnn if self.has_drafter else 0.0) <= plain
+
+    def plan(self, rows: list, roots: list, beams: Optional[np.ndarray], conditionals: Optional[np.ndarray], cost=None,
+             ahead: bool = False, may_run_ahead: bool = True) -> Plan:
+        """The step's plan. rows: the prompt of each batch row; roots: each
+        row's last chosen token; beams (B, W, L) and conditionals
+        (B, W, L - 1): the RNN's beams (partial ones ending at NO_TOKEN)
+        and the drafter's probability of each drafted token, or None when
+        it did not run (numpy arrays, or device arrays still being
+        computed, read when the cheap drafts are made). cost: the cost curve (``CostCurve``) when
+        ``max_nodes`` is None. ahead: the step's plain pass was already
+        issued (it is plain whatever the policy). may_run_ahead: the engine
+        can issue a plain pass before the last token is known (not when the
+        token choice reads the tokens)."""
         self.steps += 1
-        self.pending = None
-        if plain or self.plain_left or self.settings.max_nodes == 0:
-            if self.plain_left and self.settings.max_nodes != 0:
+        self.judge(cost, len(rows))
+        plan = self._plan(rows, roots, beams, conditionals, cost, ahead, may_run_ahead)
+        if plan.trees is not None and beams is not None and beams.shape[-1] == self.settings.beam_length:
+            self.kept_depths.append({t.depths[i] for t in plan.trees for i in range(1, t.num_nodes)
+                                     if any(key[0] == "rnn" for key, _ in t.judged[i])})
+        if plan.search:
+            plan.search_length = self.search_length()
+            self.searches += 1
+        return plan
+
+    def search_length(self) -> int:
+        """How deep the next search drafts (the root included): the whole
+        beam length every ``RESHAPE_STEPS``-th search and until enough full
+        searches were seen, else one past the deepest depth their trees
+        kept RNN nodes at in at least ``KEPT_SHARE`` of them."""
+        full = self.settings.beam_length
+        if len(self.kept_depths) < self.kept_depths.maxlen // 2 or self.searches % RESHAPE_STEPS == 0:
+            return full
+        kept = [sum(d in depths for depths in self.kept_depths) / len(self.kept_depths) for d in range(1, full)]
+        deepest = max((d + 1 for d, share in enumerate(kept) if share >= KEPT_SHARE), default=1)
+        return max(2, deepest + 1)
+
+    def _plan(self, rows, roots, beams, conditionals, cost, ahead: bool, may_run_ahead: bool) -> Plan:
+        one = 0.0 if cost is None else cost.plain
+        if ahead or self.mode == "plain":
+            if self.plain_left:
                 self.plain_left -= 1
-            return [RowTree([root], [-1], [0], [1.0], [[]]) for root in roots]
+            self.last = Plan("plain", search=self.use_rnn(), one_node=one)
+            self.last.ahead = may_run_ahead and self.mode == "plain"
+            self.last.predicted = self._alone(cost, self.last.search)
+            return self.last
+        self.last_mode = "rnn" if beams is not None else "lookup"
+        trees = self.trees(rows, roots, beams, conditionals, cost)
+        mode = self.last_mode
+        search = self.use_rnn()
+        if trees is None:  # nothing worth verifying: this step decodes plainly
+            self.idle += 1
+            if self.idle >= (1 if self.retrying else IDLE_STEPS):
+                self._turn_plain(gained=False)
+            self.last = Plan("plain", search=self.use_rnn(), one_node=one)
+            self.last.predicted = self._alone(cost, self.last.search)
+            return self.last
+        self.idle = 0
+        predicted = 0.0
+        if cost is not None:  # what this step costs: its pass, the rest of a step, and the search it runs
+            predicted = cost(max(t.num_nodes for t in trees)) + cost.step_seconds + (cost.draft_seconds if search else 0.0)
+        self.last = Plan(mode, trees, search=search, predicted=predicted, one_node=one)
+        return self.last
+
+    @staticmethod
+    def _alone(cost, search: bool) -> float:
+        """Curve seconds of a plain step not pipelined (what the drift check
+        holds it against): a pass of one token, and the search it runs."""
+        return 0.0 if cost is None else cost(1) + (cost.draft_seconds if search else 0.0)
+
+    def trees(self, rows: list, roots: list, beams: Optional[np.ndarray], conditionals: Optional[np.ndarray], cost=None) -> Optional[list[RowTree]]:
+        """The tree each row verifies, or None when the budget keeps no node
+        (with a fixed ``max_nodes``, always the trees)."""
         if self.has_drafter and not self.rnn_on:
             self.steps_off += 1
+        cheap = [self._cheap_drafts(row, self._estimate(row)) for row in rows]
+        if beams is not None:  # read only now: the engine's search may still be running
+            beams, conditionals = np.asarray(beams), np.asarray(conditionals)
         drafts = []
-        for row, b, c in zip(rows, beams if beams is not None else [None] * len(rows), conditionals if beams is not None else [None] * len(rows)):
+        for row, b, c, row_cheap in zip(rows, beams if beams is not None else [None] * len(rows),
+                                        conditionals if beams is not None else [None] * len(rows), cheap):
             estimate = self._estimate(row)
-            row_drafts = ([] if b is None else beam_drafts(b, c, estimate)) + self._cheap_drafts(row, estimate)
+            row_drafts = ([] if b is None else beam_drafts(b, c, estimate)) + row_cheap
             kind = self.kinds.get(row, "greedy")
             for draft in row_drafts:
                 draft.keys = [(*key, kind) for key in draft.keys]
             drafts.append(row_drafts)
         candidates = [self._candidates(root, d) for root, d in zip(roots, drafts)]
-        if self.settings.max_nodes is not None:
+        if self.forced:
             return [prune(t, self.settings.max_nodes) for t in candidates]
         gains = [most_likely_nodes(t) for t in candidates]
-        draft_seconds = cost.draft_seconds if beams is not None else 0.0
-        count, _ = best_node_count(gains, cost, max(map(len, gains)), draft_seconds)
-        if self.steps % EXPLORE_STEPS == 0:
+        extra = cost.step_seconds + (cost.draft_seconds if beams is not None else 0.0)
+        count, _ = best_node_count(gains, cost, max(map(len, gains)), extra, plain_seconds=cost.plain)
+        if count and self.steps % EXPLORE_STEPS == 0:
             # Nodes left out are never observed, so their estimates would
             # never recover: now and then one more is tried.
             count += 1
-        self.idle = self.idle + 1 if count == 0 else 0
-        self.pending = ("rnn" if beams is not None else "lookup"), cost(count + 1) + draft_seconds, cost(1)
-        if beams is not None and self.has_cheap_drafts and self.measured["lookup"] is None:
-            cheap_only = [most_likely_nodes(self._candidates(root, [d for d in row_drafts if d.keys[0][0] != "rnn"]))
-                          for root, row_drafts in zip(roots, drafts)]
-            rate = best_node_count(cheap_only, cost, max(map(len, cheap_only)))[1]
+        if beams is not None and self.has_cheap_drafts and (self.measured["lookup"] is None or count == 0):
+            cheap = [self._candidates(root, [d for d in row_drafts if d.keys[0][0] != "rnn"]) for root, row_drafts in zip(roots, drafts)]
+            cheap_gains = [most_likely_nodes(t) for t in cheap]
+            cheap_count, rate = best_node_count(cheap_gains, cost, max(map(len, cheap_gains)), cost.step_seconds, plain_seconds=cost.plain)
             past = self.lookup_estimate
             self.lookup_estimate = rate if past is None else RATE_MEMORY * past + (1 - RATE_MEMORY) * rate
+            if count == 0 and cheap_count:
+                # The beams are not worth their search, the cheap drafts are
+                # worth their pass: this step goes without them, and so do
+                # the next ones until the RNN is tried again.
+                self.rnn_on = False
+                self.last_mode = "lookup"
+                return [prune(t, cheap_count) for t in cheap]
+        if count == 0:
+            return None
         return [prune(t, count) for t in candidates]
+
+    def _turn_plain(self, gained: bool) -> None:
+        """Plain steps for the current interval; a retry that did not gain
+        doubles it, a run that gained starts it over."""
+        if self.retrying and not gained:
+            self.interval = min(2 * self.interval, MAX_PLAIN_STEPS)
+        elif gained:
+            self.interval = PLAIN_STEPS
+        self.plain_left, self.idle, self.retrying = self.interval, 0, True
+        self.window.clear()
 
     def _candidates(self, root: int, drafts: list) -> RowTree:
         tree = candidate_tree(root, drafts)
@@ -162,7 +326,7 @@ class Speculator:
     @property
     def has_cheap_drafts(self) -> bool:
         """Whether steps can draft without the RNN (context lookup, datastore, earlier answers)."""
-        return bool(self.indexes) or self.datastore is not None or self.answers is not None
+        return bool(self.settings.lookup) or self.datastore is not None or self.answers is not None
 
     def _cheap_drafts(self, row: int, estimate) -> list:
         """A row's drafts that need no drafter run: context lookup's, the
@@ -186,29 +350,29 @@ class Speculator:
         return self.lookup_estimate if mode == "lookup" else None
 
     def observe(self, trees: list, paths: np.ndarray, num_accepted: np.ndarray) -> None:
-        """After a step: what was accepted (``accept``'s path and counts)."""
+        """After a drafting step: what was accepted (``accept``'s path and counts)."""
         paths, counts = paths.tolist(), num_accepted.tolist()
         self.stats.observe_step(trees, paths, counts)
         if self.history is not None:
             self.history.observe_step(trees, paths, counts)
-        if self.pending is None:
+        plan = self.last
+        if plan is None or plan.mode == "plain" or self.forced:
             return
-        mode, predicted, one_node = self.pending
-        tokens, past = float(np.sum(num_accepted + 1)), self.measured[mode]
+        tokens, past = float(np.sum(num_accepted + 1)), self.measured[plan.mode]
         m = MEASURED_MEMORY
-        self.measured[mode] = (tokens, predicted) if past is None else (m * past[0] + (1 - m) * tokens, m * past[1] + (1 - m) * predicted)
+        self.measured[plan.mode] = (tokens, plan.predicted) if past is None else (m * past[0] + (1 - m) * tokens, m * past[1] + (1 - m) * plan.predicted)
         if self.has_drafter and self.has_cheap_drafts and None not in (self.rate("rnn"), self.rate("lookup")):
             self.rnn_on = self.rate("rnn") >= self.rate("lookup")
-        self.window.append((tokens, predicted, one_node, len(trees)))
-        if self.idle >= IDLE_STEPS or self._losing():
-            self.plain_left, self.idle = PLAIN_STEPS, 0
-            self.window.clear()
+        self.window.append((tokens, plan.predicted, plan.one_node, len(trees)))
+        if len(self.window) == WINDOW:
+            if self._losing():
+                self._turn_plain(gained=False)
+            elif self.retrying:  # a retry that gains: the next one comes soon again
+                self.retrying, self.interval = False, PLAIN_STEPS
 
     def _losing(self) -> bool:
         """Whether the last ``WINDOW`` drafting steps produced fewer tokens
         per curve second than plain steps would (one token per row each
         ``one_node`` seconds)."""
-        if len(self.window) < WINDOW:
-            return False
         tokens, predicted, one_node, rows = (sum(column) for column in zip(*self.window))
         return tokens * one_node < rows * predicted

@@ -118,9 +118,20 @@ def most_likely_path(tree: RowTree) -> RowTree:
 
 def prune(tree: RowTree, max_nodes: int) -> RowTree:
     """Keep the root and the ``max_nodes`` most likely other nodes (ties go
-    to the shallower, then the earlier node, so parents come first)."""
+    to the shallower, then the earlier node, so parents come first), in
+    depth-first order with the most likely child first: the most likely
+    path is nodes 0, 1, 2, ..., so that when it is the one accepted its
+    keys and values are in place already (nothing to copy at commit)."""
     ranked = sorted(range(1, tree.num_nodes), key=lambda i: (-tree.probs[i], tree.depths[i], i))
-    kept = [0] + sorted(ranked[:max_nodes])
+    chosen = set(ranked[:max_nodes])
+    children: dict = {}
+    for i in sorted(chosen):
+        children.setdefault(tree.parents[i], []).append(i)
+    kept, stack = [], [0]
+    while stack:
+        node = stack.pop()
+        kept.append(node)
+        stack += sorted(children.get(node, ()), key=lambda i: (tree.probs[i], -i))  # the most likely popped first
     new_index = {old: new for new, old in enumerate(kept)}
     return RowTree(
         [tree.tokens[i] for i in kept],

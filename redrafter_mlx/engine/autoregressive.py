@@ -1,19 +1,20 @@
-"""Plain batched autoregressive decoding with the same cache and row
-bookkeeping as ReDrafter: the baseline for benchmarks and the generator for
-distillation data."""
+"""Plain batched autoregressive decoding: the baseline for benchmarks and
+the generator for distillation data. It is the engine's own plain step
+(``Decoder`` with nothing drafted, pipelined as mlx-lm's loop is), with a
+queue of prompts that refill the batch as rows finish: the one plain loop
+the package has."""
 
 from typing import Iterator, Optional, Sequence
 
-import mlx.core as mx
-import numpy as np
-
+from ..drafting.settings import DraftSettings
 from ..errors import UserError
 from .base_model import BaseModel
-from .cache import extend_batch
-from .prefill import PREFILL_STEP_SIZE, check_prompts, prefill
-from .rows import RowTracker
+from .decoder import Decoder
+from .prefill import PREFILL_STEP_SIZE, check_prompts
 from .sampling import greedy
-from .types import Chooser, StepOutput
+from .types import Chooser, ReDrafter, StepOutput
+
+PLAIN = DraftSettings(max_nodes=0, lookup=False, datastore_beams=0)
 
 
 def autoregressive_steps(
@@ -27,8 +28,8 @@ def autoregressive_steps(
     with_hidden: bool = False,
     max_batch: Optional[int] = None,
 ) -> Iterator[list[StepOutput]]:
-    """Yields one ``StepOutput`` per active row per token; rows that finish
-    leave the batch.
+    """Yields the ``StepOutput`` of each active row per token (``row``: the
+    prompt's index in ``prompts``); rows that finish leave the batch.
 
     With ``max_batch``, at most that many prompts run at once, in input
     order; as rows finish, waiting prompts are prefilled and join the batch
@@ -42,41 +43,19 @@ def autoregressive_steps(
     if max_tokens == 0:
         return
     size = max_batch or len(prompts)
-    waiting = list(range(size, len(prompts)))
-    tracker = RowTracker(prompts, max_tokens, eos_token_ids, rows=range(min(size, len(prompts))))
-    layout, cache, hidden, logits = prefill(base, prompts[:size], prefill_step_size)
+    decoder = Decoder(ReDrafter(base, None), PLAIN, choose, eos_token_ids, prefill_step_size=prefill_step_size, with_hidden=with_hidden)
+    first = list(range(min(size, len(prompts))))
+    waiting = list(range(len(first), len(prompts)))
+    outputs = decoder.join([prompts[i] for i in first], max_tokens, ids=first)
     while True:
-        token = choose(logits, tracker.history())[:, 0]
-        hidden_rows = hidden.astype(mx.float16) if with_hidden else None
-        mx.eval(token, hidden_rows)
-        outputs = tracker.emit([[t] for t in np.array(token).tolist()])
-        if with_hidden:
-            hidden_rows = np.array(hidden_rows)
-            for i, out in enumerate(outputs):
-                out.hidden = hidden_rows[i : i + 1][: len(out.tokens)]
         yield outputs
-
-        keep = tracker.keep_unfinished(outputs)
-        if keep is not None and keep:
-            trim = layout.filter(keep)
-            keep = mx.array(keep)
-            for c in cache:
-                c.filter(keep, trim)
-            token = token[keep]
-        if tracker.rows:
-            layout.begin_chunk()
-            hidden, logits = base(token[:, None], cache)
-            hidden = hidden[:, -1]
-            layout.end_chunk(1)
-        free = size - len(tracker.rows)
-        if waiting and (free >= max(size // 4, 1) or not tracker.rows):
+        running = sum(r not in decoder.leaving for r in decoder.rows)
+        free = size - running
+        if waiting and (free >= max(size // 4, 1) or not running):
             joining, waiting = waiting[:free], waiting[free:]
-            new_layout, new_cache, new_hidden, new_logits = prefill(base, [prompts[i] for i in joining], prefill_step_size)
-            if tracker.rows:
-                extend_batch(layout, cache, new_layout, new_cache)
-                hidden, logits = mx.concatenate([hidden, new_hidden]), mx.concatenate([logits, new_logits])
-            else:
-                layout, cache, hidden, logits = new_layout, new_cache, new_hidden, new_logits
-            tracker.rows += joining
-        elif not tracker.rows:
+            # Prompts join in input order, so the decoder names them by their index.
+            outputs = decoder.join([prompts[i] for i in joining], max_tokens, ids=joining)
+        elif not running:
             return
+        else:
+            outputs = decoder.step()

@@ -22,7 +22,7 @@ from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 
 from ..errors import UserError
 from .cache import CacheLayout, TreeKVCache
-from .distributed import Ranks, Skip, SkippedCache, holds_cache
+from .distributed import ONE_PROCESS, Ranks, Skip, SkippedCache, holds_cache
 from .recurrent import RecurrentCache, install_recorders
 from .rope import install_tree_rope
 
@@ -38,7 +38,7 @@ class BaseModel:
             already applied), or None for one process.
     """
 
-    def __init__(self, model: nn.Module, ranks: Optional[Ranks] = None):
+    def __init__(self, model: nn.Module, ranks: Ranks = ONE_PROCESS):
         self.model = model
         language_model = getattr(model, "language_model", model)  # multimodal wrappers
         kind = getattr(language_model, "model_type", None) or type(model).__module__

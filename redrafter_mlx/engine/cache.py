@@ -17,12 +17,27 @@ A tree's accepted path is later copied to ``length[b]``, so a row's
 committed tokens always stay contiguous, with position = index - pad[b].
 """
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import mlx.core as mx
 import numpy as np
 
 STEP = 256  # grow buffers in multiples of this many positions, like mlx-lm
+
+
+class Moves(NamedTuple):
+    """What a commit copies in every layer: block positions ``first ..
+    kept - 1`` of each row's path, either gathered by ``index`` (B, 1,
+    kept - first, 1) from the block into one slice (rows that end where the
+    block begins) or by ``source`` into ``target`` (B, 1, kept, 1) buffer
+    positions; ``end``: one past the furthest position read."""
+
+    first: int
+    kept: int
+    index: Optional[mx.array]
+    source: Optional[mx.array]
+    target: Optional[mx.array]
+    end: int
 
 
 class CacheLayout:
@@ -40,6 +55,7 @@ class CacheLayout:
         self._depths: Optional[mx.array] = None  # (B, N), tree mode only
         self._tree_mask: Optional[mx.array] = None  # (B, N, N), tree mode only
         self._masks: dict = {}
+        self._moves = None  # (path, accepted, Moves or None) of the block being committed
 
     @property
     def batch_size(self) -> int:
@@ -48,6 +64,12 @@ class CacheLayout:
     @property
     def start(self) -> int:
         return int(self.lengths.max())
+
+    @property
+    def aligned(self) -> bool:
+        """Whether every row ends where the next block begins (no junk
+        between a row's end and ``start``): always so at batch 1."""
+        return bool((self.lengths == self.lengths.max()).all())
 
     @property
     def in_tree(self) -> bool:
@@ -67,7 +89,7 @@ class CacheLayout:
         """The next block is a causal chunk of the (left-padded) prompts. Only
         valid while all rows have the same length, i.e. before any tree."""
         assert (self.lengths == self.lengths[0]).all(), "chunks need aligned rows"
-        self._depths = self._tree_mask = None
+        self._depths = self._tree_mask = self._moves = None
         self._masks = {}
         positions = self.lengths - self.left_padding
         if self.batch_size == 1:
@@ -80,16 +102,45 @@ class CacheLayout:
 
     def begin_tree(self, depths: mx.array, tree_mask: mx.array) -> None:
         """The next block is a packed tree: depths (B, N), tree_mask (B, N, N)."""
-        self._depths, self._tree_mask, self._masks = depths, tree_mask, {}
+        self._depths, self._tree_mask, self._masks, self._moves = depths, tree_mask, {}, None
         positions = mx.array(self.lengths - self.left_padding, mx.int32)
         self.offset = positions[:, None] + depths  # (B, N) per-token positions
 
     def commit(self, accepted: np.ndarray) -> None:
         """Rows advance by ``accepted`` (B,) tokens after a tree step."""
         self.lengths += accepted
+        self._moves = None
 
-    def mask(self, num_tokens: int, window_size: Optional[int]) -> mx.array:
-        """(B, 1, N, start + N) bool: which keys each query of the block sees."""
+    def moves(self, path: np.ndarray, accepted: np.ndarray) -> Optional["Moves"]:
+        """What committing a verified block's paths moves, the same in every
+        layer (worked out once a step, until ``commit``): None when each
+        row's root and accepted nodes, ``path[b, : accepted[b] + 1]``, are
+        in place already (the root alone, or a path packed in order at
+        batch 1 or with aligned rows)."""
+        if self._moves is not None and self._moves[0] is path and self._moves[1] is accepted:
+            return self._moves[2]
+        start, kept = self.start, int(accepted.max()) + 1
+        source = start + path[:, :kept]
+        target = self.lengths[:, None] + np.arange(kept)
+        moves = None
+        if not (source == target).all():
+            if (self.lengths == start).all():
+                first = int(np.argmax((source != target).any(axis=0)))
+                index = mx.array(path[:, None, first:kept, None], mx.int32)
+                moves = Moves(first, kept, index, None, None, int(source.max()) + 1)
+            else:
+                moves = Moves(0, kept, None, mx.array(source[:, None, :, None], mx.int32), mx.array(target[:, None, :, None], mx.int32),
+                              int(source.max()) + 1)
+        self._moves = (path, accepted, moves)
+        return moves
+
+    def mask(self, num_tokens: int, window_size: Optional[int], return_array: bool = False) -> Optional[mx.array]:
+        """(B, 1, N, start + N) bool: which keys each query of the block
+        sees; None where one token of a chunk sees every key (no left
+        padding, nothing past a window), as mlx-lm's own cache answers."""
+        if (num_tokens == 1 and self._depths is None and not return_array and not self.left_padding.any()
+                and (window_size is None or self.start < window_size)):
+            return None
         if window_size not in self._masks:
             self._masks[window_size] = self._make_mask(num_tokens, window_size)
         return self._masks[window_size]
@@ -139,7 +190,39 @@ class CacheLayout:
         return widest - mine, widest - theirs
 
 
-class TreeKVCache:
+class StepCache:
+    """What the engine asks of one layer's cache, whatever the layer keeps
+    (keys and values: ``TreeKVCache``; a recurrent state:
+    ``recurrent.RecurrentCache``; another rank's layer:
+    ``distributed.SkippedCache``). All of them share the batch's
+    ``CacheLayout``, which the model reads positions and masks from."""
+
+    layout: CacheLayout
+
+    def commit_path(self, path: np.ndarray, accepted: np.ndarray) -> None:
+        """After a verified block: keep each row's root and accepted nodes,
+        the packed block indices ``path[b, : accepted[b] + 1]`` (host
+        arrays (B, P) and (B,)), as the row's next committed tokens."""
+        raise NotImplementedError
+
+    def filter(self, rows: mx.array, trim: int) -> None:
+        """Keep the batch rows ``rows``, without their first ``trim`` positions."""
+        raise NotImplementedError
+
+    def extend(self, other: "StepCache", length: int, other_length: int, pad: int, other_pad: int) -> None:
+        """Append another batch's rows (see ``extend_batch``)."""
+        raise NotImplementedError
+
+    def rows_kv(self, row: int, begin: int, end: int) -> tuple:
+        """What a prompt cache keeps of one row's positions ``begin .. end``."""
+        raise NotImplementedError
+
+    def state_arrays(self) -> list:
+        """The arrays to evaluate so that the cache holds what was fed."""
+        raise NotImplementedError
+
+
+class TreeKVCache(StepCache):
     """One layer's keys and values, (B, kv_heads, capacity, head_dim)."""
 
     def __init__(self, layout: CacheLayout):
@@ -153,7 +236,7 @@ class TreeKVCache:
         return self.layout.offset
 
     def make_mask(self, num_tokens: int, return_array: bool = False, window_size=None):
-        return self.layout.mask(num_tokens, window_size)
+        return self.layout.mask(num_tokens, window_size, return_array)
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         start, num_tokens = self.layout.start, keys.shape[2]
@@ -182,32 +265,28 @@ class TreeKVCache:
         the row's end, ``lengths[b]`` on (the caller then advances lengths).
         Nothing moves when they are in place already: the root alone, or a
         path packed in order, at batch 1 or with aligned rows."""
-        start = self.layout.start
-        kept = int(accepted.max()) + 1
-        source = start + path[:, :kept]
-        target = self.layout.lengths[:, None] + np.arange(kept)
-        if (source == target).all():
+        moves = self.layout.moves(path, accepted)
+        if moves is None:
             return
+        start, first, kept = self.layout.start, moves.first, moves.kept
         # The gather and scatter below are not bounds-checked: sources must
         # stay inside the verified block.
-        assert int(source.max()) < self.block_end, "path outside the verified block"
-        if (self.layout.lengths == start).all():
+        assert moves.end <= self.block_end, "path outside the verified block"
+        if moves.index is not None:
             # Every row ends where the block begins (always so at batch 1):
-            # the root is in place, and the rest is one slice for all rows,
-            # written in place (a scatter into the whole buffer copies it).
-            index = mx.array(path[:, None, 1:kept, None], mx.int32)
+            # the path is in place up to ``first``, and the rest is one slice
+            # for all rows, written in place (a scatter into the whole buffer
+            # copies it).
             for buffer in (self.keys, self.values):
-                shape = (*buffer.shape[:2], kept - 1, buffer.shape[3])
-                moved = mx.take_along_axis(buffer[..., start : self.block_end, :], mx.broadcast_to(index, shape), axis=2)
-                buffer[..., start + 1 : start + kept, :] = moved
+                shape = (*buffer.shape[:2], kept - first, buffer.shape[3])
+                moved = mx.take_along_axis(buffer[..., start : self.block_end, :], mx.broadcast_to(moves.index, shape), axis=2)
+                buffer[..., start + first : start + kept, :] = moved
             return
-        source = mx.array(source[:, None, :, None], mx.int32)
-        target = mx.array(target[:, None, :, None], mx.int32)
         for name in ("keys", "values"):
             buffer = getattr(self, name)
             shape = (*buffer.shape[:2], kept, buffer.shape[3])
-            moved = mx.take_along_axis(buffer, mx.broadcast_to(source, shape), axis=2)
-            setattr(self, name, mx.put_along_axis(buffer, mx.broadcast_to(target, shape), moved, axis=2))
+            moved = mx.take_along_axis(buffer, mx.broadcast_to(moves.source, shape), axis=2)
+            setattr(self, name, mx.put_along_axis(buffer, mx.broadcast_to(moves.target, shape), moved, axis=2))
 
     def filter(self, rows: mx.array, trim: int) -> None:
         """Keep ``rows``, without their first ``trim`` (padding) positions."""

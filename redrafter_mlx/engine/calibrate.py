@@ -1,10 +1,12 @@
 """Measuring the machine's cost curve: the engine runs verification passes of
-each size (and one beam search) and times them; ``drafting.cost`` keeps the
-result on disk, keyed by machine, model, dtype, batch size and beam shape."""
+each size (and one beam search) and times them, then decodes a few tokens
+plainly and a few drafting steps to time what a step costs besides its pass;
+``drafting.cost`` keeps the result on disk, keyed by machine, model, dtype,
+batch size and beam shape."""
 
 import statistics
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 import mlx.core as mx
 import numpy as np
@@ -32,13 +34,17 @@ def _timed(runs: list, repeats: int) -> list[float]:
     return [statistics.median(t) for t in times]
 
 
-def measure(redrafter, batch_size: int, beam_shape: Optional[tuple] = None, repeats: int = 5, sizes=SIZES, tree: bool = True) -> CostCurve:
+def measure(redrafter, batch_size: int, beam_shape: Optional[tuple] = None, repeats: int = 5, sizes=SIZES, tree: bool = True,
+            step_costs: Optional[Callable] = None) -> CostCurve:
     """Time tree passes of every size in ``sizes`` (a chain tree: per-token
     positions and a tree mask, as verification runs; with ``tree`` False, a
     plain causal chunk of as many tokens instead) after CONTEXT committed
     tokens, and one beam search of ``beam_shape`` (``beam_search``'s
     beam_width, beam_length and later_rows) when there is a drafter; all of
-    them in turn, ``repeats`` times."""
+    them in turn, ``repeats`` times. With ``step_costs(redrafter, prompts,
+    curve)`` -> (seconds a drafting step costs besides its pass, seconds of
+    a plain token) (the decoder's ``fixed_costs``, which runs real steps),
+    also what the engine's own steps cost."""
 
     base = redrafter.base
     # Rows of different tokens, so that a mixture of experts reads as many
@@ -74,46 +80,51 @@ def measure(redrafter, batch_size: int, beam_shape: Optional[tuple] = None, repe
         first = mx.zeros((batch_size,), mx.int32)
         runs.append(lambda: mx.eval(beam_search(redrafter.drafter, base.embed, hidden, first, *beam_shape)))
     times = _timed(runs, repeats)
-    if base.ranks is not None:  # every rank sizes its trees by the same curve
-        times = base.ranks.first(times).tolist()
+    times = base.ranks.first(times).tolist()  # every rank sizes its trees by the same curve
     seconds = times[: len(sizes)]
     seconds = [max(seconds[: i + 1]) for i in range(len(seconds))]  # more nodes never cost less
-    return CostCurve(list(sizes), seconds, times[len(sizes)] if len(times) > len(sizes) else 0.0)
+    curve = CostCurve(list(sizes), seconds, times[len(sizes)] if len(times) > len(sizes) else 0.0)
+    if step_costs is not None:
+        curve.step_seconds, curve.plain_seconds = (float(t) for t in base.ranks.first(step_costs(redrafter, prompts, curve)))
+    return curve
 
 
 def curve_key(redrafter: ReDrafter, batch_size: int) -> str:
     return f"{machine_key()}|model {redrafter.identity}|{redrafter.base.dtype}|batch {batch_size}"
 
 
-def cost_curve(redrafter: ReDrafter, batch_size: int, beam_shape: Optional[tuple] = None, refresh: bool = False) -> CostCurve:
+def cost_curve(redrafter: ReDrafter, batch_size: int, beam_shape: Optional[tuple] = None, refresh: bool = False,
+               step_costs: Optional[Callable] = None) -> CostCurve:
     """The cached curve for this machine, model, dtype and batch size, with
-    the beam search's cost for ``beam_shape`` and this drafter; measured
-    when missing (or unreadable) and whenever ``refresh``."""
-    if redrafter.base.ranks is not None:
+    the beam search's cost for ``beam_shape`` and this drafter, and the
+    steps' own costs (``step_costs``, see ``measure``); measured when
+    missing (or unreadable) and whenever ``refresh``."""
+    if redrafter.base.ranks.several:
         # Split over ranks: hops included, measured on every start, the same on every rank.
-        return measure(redrafter, batch_size, beam_shape)
+        return measure(redrafter, batch_size, beam_shape, step_costs=step_costs)
     key = curve_key(redrafter, batch_size)
     draft_key = None
     if beam_shape and redrafter.drafter is not None:
         draft_key = f"{key}|drafter {redrafter.drafter_identity}|beams {'x'.join(map(str, beam_shape))}"
-    return cached_curve(key, draft_key, lambda sizes: measure(redrafter, batch_size, beam_shape, sizes=sizes), refresh)
+    return cached_curve(key, draft_key, lambda sizes, steps: measure(redrafter, batch_size, beam_shape, sizes=sizes,
+                                                                      step_costs=step_costs if steps else None), refresh)
 
 
 def forget_curve(redrafter: ReDrafter, batch_size: int) -> None:
     """Mark the cached curve of this batch size stale: its next use measures it again."""
-    if redrafter.base.ranks is None:  # a split model's curve is never on disk
+    if not redrafter.base.ranks.several:  # a split model's curve is never on disk
         mark_stale(curve_key(redrafter, batch_size))
 
 
 class DriftCheck:
     """Whether real steps still follow a cost curve.
 
-    Each step's wall seconds over the seconds the curve gave it are kept as
-    a running ratio per range of node counts. Real steps also pay host work,
-    so the ratio sits a little above 1 and a little higher for small trees.
-    The curve has drifted when steps run well below it (it was measured on
-    a busier machine), far above it, or when the ranges disagree (its shape
-    is wrong, which misleads the node budget)."""
+    Each step's wall seconds over the seconds the curve gave it (its pass,
+    and what a step costs besides: the curve knows both) are kept as a
+    running ratio per range of node counts, and for plain steps apart. The
+    curve has drifted when steps run well below it (it was measured on a
+    busier machine), far above it, or when the ranges of drafting steps
+    disagree (its shape is wrong, which misleads the node budget)."""
 
     BOUNDS = (2, 5, 10)  # node counts per row up to 2, 3-5, 6-10, more
     LOW, HIGH, SHAPE = 0.75, 2.0, 1.4  # tolerated ratios, and between ranges
@@ -123,14 +134,16 @@ class DriftCheck:
     def __init__(self):
         self.ratios, self.counts = {}, {}
 
-    def add(self, nodes: int, seconds: float, predicted: float) -> None:
-        bucket = sum(nodes > b for b in self.BOUNDS)
+    def add(self, nodes: int, seconds: float, predicted: float, plain: bool = False) -> None:
+        bucket = "plain" if plain else sum(nodes > b for b in self.BOUNDS)
         ratio, past = seconds / predicted, self.ratios.get(bucket)
         self.ratios[bucket] = ratio if past is None else self.MEMORY * past + (1 - self.MEMORY) * ratio
         self.counts[bucket] = self.counts.get(bucket, 0) + 1
 
     def drifted(self) -> bool:
-        seen = [r for b, r in self.ratios.items() if self.counts[b] >= self.SEEN]
+        seen = {b: r for b, r in self.ratios.items() if self.counts[b] >= self.SEEN}
         if not seen:
             return False
-        return min(seen) < self.LOW or max(seen) > self.HIGH or max(seen) / min(seen) > self.SHAPE
+        trees = [r for b, r in seen.items() if b != "plain"]
+        shape = len(trees) > 1 and max(trees) / min(trees) > self.SHAPE
+        return min(seen.values()) < self.LOW or max(seen.values()) > self.HIGH or shape

@@ -4,19 +4,23 @@ One step: draft with the RNN's beam search, context lookup and the datastore,
 merge the drafts into one prefix tree per row, keep the nodes worth their
 verification cost, verify the tree in one forward pass of the base model,
 accept the longest agreeing path plus a bonus token, and keep only that path
-in the KV cache. The next step's beam search is built into the same lazy
-graph, so each step has exactly one host synchronisation: reading the
-accepted tokens and the next beams; the tree is then built on the host from
-them and the row's context, and the accepted path's keys and values are
-moved into place (only those out of place, lazily: the copy runs with the
-next pass).
+in the KV cache. Each step has one host synchronisation: reading what was
+accepted. The next step's beam search, drafted from where the accepted path
+ends, is then issued at once and runs while the host moves the accepted
+path's keys and values into place (only those out of place, lazily: the
+copy runs with the next pass) and makes the next step's cheap drafts; the
+next tree reads the beams last.
 
-When drafting does not pay, a step is plain decoding (the speculator's
-``plain`` mode), and plain steps are pipelined as mlx-lm pipelines its loop:
-the pass that feeds this step's token is built and started before this
-step's token is read, so that the host's work overlaps the device's.
+What a step does is the speculator's ``Plan`` (``drafting.speculator``);
+``Decoder.step`` only carries it out. A plain step (nothing drafted) is
+pipelined as mlx-lm pipelines its loop: the pass that feeds this step's
+token is built and started before this step's token is read, so that the
+host's work overlaps the device's, and it does no other work per token:
+while rows stay aligned it is the same chunk of one token, with the same
+positions and no mask, that mlx-lm's own loop feeds.
 """
 
+import statistics
 import time
 from typing import Iterator, Optional, Sequence
 
@@ -24,8 +28,9 @@ import mlx.core as mx
 import numpy as np
 
 from ..drafting.beam_search import beam_search
+from ..drafting.cost import CostCurve
 from ..drafting.settings import DraftSettings
-from ..drafting.speculator import Speculator
+from ..drafting.speculator import Plan, Speculator
 from ..drafting.tree import pack
 from ..errors import UserError
 from . import calibrate
@@ -53,9 +58,12 @@ class Decoder:
     of B rows uses the smallest one >= B (else the largest). Each is
     measured on first use and cached on disk (``calibrate.cost_curve``),
     and kept true: a curve real steps stopped following is measured again
-    (``_check_curve``). cost_curve: one ``CostCurve`` for every batch size,
-    used as it is (benchmarks, which must not measure while they time).
+    between requests (``_check_curve``, ``join``). cost_curve: one
+    ``CostCurve`` for every batch size, used as it is (benchmarks, which
+    must not measure while they time).
     profile: a ``StepProfile`` to time each phase (extra synchronisations).
+    with_hidden: each output carries the hidden states its tokens were
+    chosen from (``StepOutput.hidden``; distillation).
     """
 
     def __init__(
@@ -69,9 +77,10 @@ class Decoder:
         profile: Optional[StepProfile] = None,
         cost_batch_sizes: Sequence[int] = (1,),
         cost_curve=None,
+        with_hidden: bool = False,
     ):
         self.redrafter, self.draft, self.choose = redrafter, draft, choose
-        self.prefill_step_size, self.profile = prefill_step_size, profile
+        self.prefill_step_size, self.profile, self.with_hidden = prefill_step_size, profile, with_hidden
         self.cost_batch_sizes = sorted(cost_batch_sizes)
         self.fixed_curve = cost_curve
         self.costs = {}
@@ -81,25 +90,30 @@ class Decoder:
         )
         self.layout = self.cache = self.rnn = None
         self.leaving = set()
-        # A plain pass issued ahead: (chosen tokens (B,), hidden (B, hidden_size)),
-        # lazy, for the rows in batch order; its fed tokens are committed.
+        # A plain pass issued ahead: (chosen tokens (B,), hidden (B, hidden_size),
+        # log-probability arrays or None), lazy, for the rows in batch order;
+        # its fed tokens are committed.
         self.ahead = None
         self.drift: dict = {}  # batch size of a curve -> DriftCheck of the steps sized by it
-        self.stale: set = set()  # curves that drifted: measured again at the next join
+        self.stale: set = set()  # curves that drifted: measured again when the batch is next empty
+        self.constants: dict = {}  # (batch size, ahead) -> a plain pass's depths and mask
 
     @property
     def rows(self) -> list:
         """The prompts in the batch, in batch order."""
         return self.tracker.rows
 
-    def _search(self, hidden: mx.array, first_tokens: mx.array):
-        """The RNN's beams and their probabilities (lazy), when it runs."""
-        shape = self.draft.search_shape(self.redrafter.drafter)
-        beams, logprobs = beam_search(self.redrafter.drafter, self.redrafter.base.embed, hidden, first_tokens, *shape)
+    def _search(self, hidden: mx.array, first_tokens: mx.array, length: int = 0):
+        """The RNN's beams and their probabilities (lazy), ``length`` long
+        (the root included; 0: the settings' beam length)."""
+        width, full, later, partial, first = self.draft.search_shape(self.redrafter.drafter)
+        beams, logprobs = beam_search(self.redrafter.drafter, self.redrafter.base.embed, hidden, first_tokens, width, length or full, later,
+                                      partial, first)
         return beams, mx.exp(logprobs)
 
     def cost(self, batch_size: int):
-        """The cost curve a step of this many rows is sized by (None with a fixed max_nodes)."""
+        """The cost curve a step of this many rows is sized by (None with a
+        fixed max_nodes), measured here if this process has none yet."""
         if self.draft.max_nodes is not None:
             return None
         if self.fixed_curve is not None:
@@ -107,7 +121,7 @@ class Decoder:
         size = self.curve_size(batch_size)
         if size not in self.costs:
             shape = self.draft.search_shape(self.redrafter.drafter) if self.redrafter.drafter else None
-            self.costs[size] = calibrate.cost_curve(self.redrafter, size, shape, refresh=size in self.stale)
+            self.costs[size] = calibrate.cost_curve(self.redrafter, size, shape, refresh=size in self.stale, step_costs=fixed_costs)
             self.stale.discard(size)
             self.drift[size] = calibrate.DriftCheck()
         return self.costs[size]
@@ -115,18 +129,19 @@ class Decoder:
     def curve_size(self, batch_size: int) -> int:
         return next((b for b in self.cost_batch_sizes if b >= batch_size), self.cost_batch_sizes[-1])
 
-    def _check_curve(self, nodes: int, seconds: float) -> None:
-        """Compare the step just run with its curve; a curve that drifted is
-        dropped from the disk cache now, and measured again at the next
-        join (between requests) or by the next process (in a split, where
-        rank 0 found it drifting)."""
-        if self.speculator.pending is None or self.fixed_curve is not None:
+    def _check_curve(self, plan: Plan, nodes: int, seconds: float) -> None:
+        """Compare the drafting step just run with its curve; a curve that
+        drifted is dropped from the disk cache now, and measured again when
+        the batch is next empty (between requests; never inside a running
+        batch's steps) or by the next process (in a split, where rank 0
+        found it drifting)."""
+        if self.fixed_curve is not None or self.draft.max_nodes is not None:
             return
         size = self.curve_size(len(self.tracker.rows))
         check = self.drift.get(size)
         if check is None or size in self.stale:
             return
-        check.add(nodes, seconds, self.speculator.pending[1])
+        check.add(nodes, seconds, plan.predicted, plan.mode == "plain")
         if check.drifted():
             self.stale.add(size)
             calibrate.forget_curve(self.redrafter, size)
@@ -146,22 +161,27 @@ class Decoder:
             if c is not None:
                 c.check(self.redrafter.identity, base.num_layers)
         ready = self._resolve_ahead()
-        ranks = base.ranks
-        if ranks is not None:  # the curves rank 0's steps found drifting are measured again on every rank
-            self.stale = set(ranks.broadcast(sorted(self.stale) if ranks.rank == 0 else None))
-        for size in self.stale:
-            self.costs.pop(size, None)  # measured again on its next use, before the step's clock starts
+        ranks = base.ranks  # the curves rank 0's steps found drifting are measured again on every rank
+        self.stale = set(ranks.broadcast(sorted(self.stale) if ranks.rank == 0 else None))
+        if all(r in self.leaving for r in self.tracker.rows):  # between requests: a drifted curve is measured again now
+            for size in list(self.stale):
+                self.costs.pop(size, None)
+                self.cost(size)
+        # What can pay on this curve is known before the prefill, which
+        # runs the first search when the RNN drafts.
+        self.speculator.judge(self.cost(len(self.tracker.rows) + len(prompts)), len(self.tracker.rows) + len(prompts))
         joining = [self.tracker.add(p, m, i) for p, m, i in zip(prompts, limits, ids)]
-        is_sampled = getattr(self.choose, "is_sampled", None)
         for r, i in zip(joining, ids):
-            self.speculator.track(r, self.tracker.context[r], bool(is_sampled and is_sampled(i)))
+            self.speculator.track(r, self.tracker.context[r], self.choose.is_sampled(i))
         layout, cache, hidden, logits = prefill(base, prompts, self.prefill_step_size, prompt_caches)
         first, logprobs = self._choose(logits, self.tracker.history(rows=joining))
         first = first[:, 0]
         # Joining a running batch, the new rows draft as the batch does.
         with_rnn = self.speculator.use_rnn() if self.layout is None else self.rnn is not None
-        rnn = self._search(hidden, first) if with_rnn else None
-        mx.eval(first, rnn, logprobs, [c.state_arrays() for c in cache])
+        length = 0 if self.rnn is None else self.rnn[0].shape[-1]  # the running batch's beams' length
+        rnn = self._search(hidden, first, length) if with_rnn else None
+        hidden_rows = hidden.astype(mx.float16) if self.with_hidden else None
+        mx.eval(first, rnn, logprobs, hidden_rows, [c.state_arrays() for c in cache])
         if self.profile is not None:
             self.profile.lap("prefill")
         rnn = None if rnn is None else [np.array(a) for a in rnn]
@@ -171,10 +191,12 @@ class Decoder:
         else:
             extend_batch(self.layout, self.cache, layout, cache)
             if self.rnn is not None:
-                self.rnn = [np.concatenate([a, b]) for a, b in zip(self.rnn, rnn)]
+                self.rnn = [np.concatenate([np.asarray(a), b]) for a, b in zip(self.rnn, rnn)]
         self.tracker.rows += joining
         at_root = np.zeros((len(joining), 1), np.int64)
-        return ready + self._finished(self.tracker.emit([[t] for t in first.tolist()], rows=joining, logprobs=logprob_lists(logprobs, at_root)))
+        outputs = self.tracker.emit([[t] for t in first.tolist()], rows=joining, logprobs=logprob_lists(logprobs, at_root))
+        self._attach_hidden(outputs, hidden_rows, joining)
+        return ready + self._finished(outputs)
 
     def leave(self, rows: Sequence[int]) -> None:
         """Take prompts out of the batch before the next step."""
@@ -183,6 +205,17 @@ class Decoder:
     def _finished(self, outputs: list[StepOutput]) -> list[StepOutput]:
         self.leaving.update(out.row for out in outputs if out.finish_reason is not None)
         return outputs
+
+    def _attach_hidden(self, outputs: list[StepOutput], hidden_rows, rows: list) -> None:
+        """With ``with_hidden``: each output's hidden state, from
+        ``hidden_rows`` (B, hidden_size) of the batch ``rows``."""
+        if hidden_rows is None:
+            return
+        hidden_rows = np.array(hidden_rows)
+        index = {r: i for i, r in enumerate(rows)}
+        for out in outputs:
+            i = index[out.row]
+            out.hidden = hidden_rows[i : i + 1][: len(out.tokens)]
 
     def _drop_leaving(self) -> None:
         if not self.leaving:
@@ -203,7 +236,7 @@ class Decoder:
         trim = self.layout.filter(keep)
         for c in self.cache:
             c.filter(mx.array(keep), trim)
-        self.rnn = None if self.rnn is None else [a[keep] for a in self.rnn]
+        self.rnn = None if self.rnn is None else [np.asarray(a)[keep] for a in self.rnn]
         if self.ahead is not None:
             kept = mx.array(keep)
             token, hidden, logprobs = self.ahead
@@ -221,36 +254,55 @@ class Decoder:
         return context[:length], [k for k, _ in kv], [v for _, v in kv]
 
     def step(self) -> list[StepOutput]:
-        """One verification step for every active row (none: returns [])."""
+        """One step for every active row, as the speculator plans it (none: returns [])."""
         self._drop_leaving()
-        tracker, base, profile = self.tracker, self.redrafter.base, self.profile
+        tracker = self.tracker
         if not tracker.rows:
             return []
         cost = self.cost(len(tracker.rows))  # measured on first use, before the step's clock starts
         tic = time.perf_counter()
-        if self.ahead is not None or self.speculator.mode == "plain":
-            return self._finished(self._plain_step(tic, cost))
         roots = [tracker.context[r][-1] for r in tracker.rows]
-        trees = self.speculator.trees(tracker.rows, roots, *(self.rnn or (None, None)), cost=cost)
-        tree = pack(trees)
+        base = self.redrafter.base
+        may_run_ahead = not self.choose.reads_tokens and self.profile is None and not base.ranks.several
+        plan = self.speculator.plan(tracker.rows, roots, *(self.rnn or (None, None)), cost=cost, ahead=self.ahead is not None,
+                                    may_run_ahead=may_run_ahead)
+        if plan.mode == "plain":
+            return self._finished(self._plain_step(plan, roots, tic))
+        return self._finished(self._tree_step(plan, tic))
+
+    def _tree_step(self, plan: Plan, tic: float) -> list[StepOutput]:
+        """Verify the plan's trees and keep each row's accepted path."""
+        tracker, base, profile = self.tracker, self.redrafter.base, self.profile
         if profile is not None:
             profile.lap("host")
-
+        tree = pack(plan.trees)
         self.layout.begin_tree(tree.depths, tree.mask)
+        if profile is not None:
+            profile.lap("packing", tree.tokens, tree.depths, tree.mask, tree.beams, tree.unpack)
         hidden, logits = base(tree.tokens, self.cache)
         if profile is not None:
-            profile.lap("verification", hidden, logits)
+            profile.lap("pass", hidden, logits)
         choices, logprobs = self._choose(logits, tracker.history(tree))
         step = accept(tree.beams, tree.unpack, choices, hidden)
         if profile is not None:
-            profile.lap("acceptance", step.tokens, step.path)
-        rnn = self._search(step.next_hidden, step.next_token) if self.speculator.use_rnn() else None
-        # The step's one host synchronisation: what was accepted, and the
-        # next step's beams, drafted from where this step's path ends.
-        mx.eval(step.num_accepted, step.tokens, step.path, rnn, logprobs, [c.state_arrays() for c in self.cache])
+            profile.lap("choice", step.tokens, step.path, step.num_accepted, logprobs)
+        rnn = self._search(step.next_hidden, step.next_token, plan.search_length) if plan.search else None
+        results = [step.num_accepted, step.tokens, step.path, logprobs, [c.state_arrays() for c in self.cache]]
+        if profile is not None or base.ranks.several:
+            # The step's one host synchronisation: what was accepted, and the
+            # next step's beams, drafted from where this step's path ends.
+            mx.eval(*results, rnn)
+            rnn = None if rnn is None else [np.array(a) for a in rnn]
+        else:
+            # What was accepted is read now; the next step's beams, drafted
+            # from where this step's path ends, go on computing while the
+            # host commits the path and makes the next step's cheap drafts,
+            # and are read when the next tree takes them.
+            mx.eval(*results)
+            if rnn is not None:
+                mx.async_eval(rnn)
         if profile is not None:
             profile.lap("drafting")
-        rnn = None if rnn is None else [np.array(a) for a in rnn]
         seconds, (num_accepted, path, tokens, self.rnn) = self._settle(
             tic, (np.array(step.num_accepted), np.array(step.path), np.array(step.tokens), rnn))
         # Known on the host now: only what was accepted, and only what is out
@@ -259,15 +311,17 @@ class Decoder:
             c.commit_path(path, num_accepted)
         if profile is not None:
             profile.lap("commit", [c.state_arrays() for c in self.cache])
-            profile.steps += 1
-        self.speculator.observe(trees, path, num_accepted)
-        self._check_curve(max(tree.num_nodes), seconds)
+        self.speculator.observe(plan.trees, path, num_accepted)
+        self._check_curve(plan, max(tree.num_nodes), seconds)
         self.layout.commit(num_accepted + 1)
         outputs = tracker.emit(
             [tokens[i, : n + 1].tolist() for i, n in enumerate(num_accepted)], num_accepted.tolist(), tree.num_nodes,
             logprobs=logprob_lists(logprobs, path),
         )
-        return self._finished(outputs)
+        if profile is not None:
+            profile.lap("host")
+            profile.steps += 1
+        return outputs
 
     def _settle(self, tic: Optional[float], results):
         """The step's wall seconds since ``tic`` (0 without one), and its
@@ -276,68 +330,89 @@ class Decoder:
         the same path."""
         seconds = 0.0 if tic is None else time.perf_counter() - tic
         ranks = self.redrafter.base.ranks
-        return seconds, results if ranks is None or ranks.alike else ranks.settle(results)
+        return seconds, results if ranks.alike else ranks.settle(results)
 
     def _choose(self, logits: mx.array, history: TokenHistory):
         """The choice at every node (B, N) and, when the chooser reports
         log-probabilities, its (chosen, top ids, top log-probabilities)
         arrays (else None)."""
-        wanted = getattr(self.choose, "logprobs_wanted", lambda: None)()
+        wanted = self.choose.logprobs_wanted
         if wanted is None:
             return self.choose(logits, history), None
         choices, *logprobs = self.choose(logits, history, logprobs=wanted)
         return choices, tuple(logprobs)
 
+    def _plain_constants(self, batch: int, ahead: bool):
+        """A plain pass's node depths (B, 1) (1 when its fed token is not yet
+        in the host's contexts) and one-node mask (B, 1, 1)."""
+        key = (batch, ahead)
+        if key not in self.constants:
+            depths = mx.full((batch, 1), int(ahead), mx.int32)
+            mask = mx.ones((batch, 1, 1), mx.bool_)
+            mx.eval(depths, mask)
+            self.constants[key] = depths, mask
+        return self.constants[key]
+
     def _plain_pass(self, tokens: mx.array, ahead: bool):
         """Feed one token per row (B, 1), commit it, and choose the next:
         (tokens (B,), hidden (B, hidden_size), log-probability arrays or
-        None), lazy. ``ahead``: the fed
-        tokens are not yet in the rows' contexts on the host (their
-        positions are one further)."""
+        None), lazy. ``ahead``: the fed tokens are not yet in the rows'
+        contexts on the host (their positions are one further).
+
+        While every row ends where the block begins (always at batch 1) the
+        token is fed as a causal chunk, as mlx-lm's loop feeds it; rows of
+        different lengths take it as a one-node tree, moved to each row's
+        end."""
         batch = tokens.shape[0]
-        depths = mx.zeros((batch, 1), mx.int32)
-        mask = mx.ones((batch, 1, 1), mx.bool_)
-        self.layout.begin_tree(depths, mask)
-        hidden, logits = self.redrafter.base(tokens, self.cache)
-        root_only, none = np.zeros((batch, 1), np.int64), np.zeros(batch, np.int64)
-        for c in self.cache:  # rows shorter than the longest get their token moved to their end
-            c.commit_path(root_only, none)
-        self.layout.commit(none + 1)
+        layout, base = self.layout, self.redrafter.base
+        depths, mask = self._plain_constants(batch, ahead)
+        if layout.aligned:
+            layout.begin_chunk()
+            hidden, logits = base(tokens, self.cache)
+            layout.end_chunk(1)
+        else:
+            layout.begin_tree(self._plain_constants(batch, False)[0], mask)
+            hidden, logits = base(tokens, self.cache)
+            root_only, none = np.zeros((batch, 1), np.int64), np.zeros(batch, np.int64)
+            for c in self.cache:  # rows shorter than the longest get their token moved to their end
+                c.commit_path(root_only, none)
+            layout.commit(none + 1)
         tracker = self.tracker
-        history = TokenHistory([tracker.ids[r] for r in tracker.rows], [tracker.context[r] for r in tracker.rows], tokens, mask, depths + int(ahead))
+        history = TokenHistory([tracker.ids[r] for r in tracker.rows], [tracker.context[r] for r in tracker.rows], tokens, mask, depths)
         choices, logprobs = self._choose(logits, history)
         return choices[:, 0], hidden[:, 0], logprobs
 
-    def _plain_step(self, tic: float, cost) -> list[StepOutput]:
+    def _plain_step(self, plan: Plan, roots: list, tic: float) -> list[StepOutput]:
         """A step with nothing drafted: the token after each row's root, from
-        the pass issued ahead by the last step when there is one. While the
-        speculator stays plain, the next pass is issued before this one's
-        token is read (unless the token choice reads the tokens themselves,
-        as a repetition penalty does)."""
+        the pass issued ahead by the last step when there is one; with
+        ``plan.ahead``, the next step's pass is issued before this one's
+        token is read."""
         tracker, profile = self.tracker, self.profile
-        roots = [tracker.context[r][-1] for r in tracker.rows]
-        trees = self.speculator.trees(tracker.rows, roots, None, None, cost=cost, plain=True)
+        # A pipelined step's wall time is not its pass's: only a step that
+        # waits for its own pass is held against the curve.
+        timed = self.ahead is None and not plan.ahead
         if self.ahead is None:
-            token, hidden, logprobs = self._plain_pass(mx.array([[r] for r in roots], mx.int32), ahead=False)
+            token, hidden, logprobs = self._plain_pass(mx.array(roots, mx.int32)[:, None], ahead=False)
         else:
             (token, hidden, logprobs), self.ahead = self.ahead, None
-        reads_tokens = getattr(self.choose, "reads_tokens", lambda: True)()
-        # (Not for a model split over ranks: a pass in flight while the step's
-        # timing is shared could order the ranks' collectives differently.)
-        if self.speculator.mode == "plain" and not reads_tokens and profile is None and self.redrafter.base.ranks is None:
+        if plan.ahead:
             self.ahead = self._plain_pass(token[:, None], ahead=True)
             mx.async_eval(self.ahead)
-        rnn = self._search(hidden, token) if self.speculator.use_rnn() else None
-        mx.eval(token, rnn, logprobs)  # the step's one synchronisation
+        rnn = self._search(hidden, token, plan.search_length) if plan.search else None
+        hidden_rows = hidden.astype(mx.float16) if self.with_hidden else None
+        mx.eval(token, rnn, logprobs, hidden_rows)  # the step's one synchronisation
         if profile is not None:
-            profile.lap("verification")
+            profile.lap("pass")
             profile.steps += 1
         rnn = None if rnn is None else [np.array(a) for a in rnn]
         seconds, (token, self.rnn) = self._settle(tic, (np.array(token), rnn))
+        if timed:
+            self._check_curve(plan, 1, seconds)
         batch = len(roots)
-        zeros = np.zeros(batch, np.int64)
-        self.speculator.observe(trees, zeros[:, None], zeros)
-        return tracker.emit([[t] for t in token.tolist()], [0] * batch, [1] * batch, logprobs=logprob_lists(logprobs, zeros[:, None]))
+        at_root = np.zeros((batch, 1), np.int64)
+        outputs = tracker.emit([[t] for t in token.tolist()], [0] * batch, [1] * batch, logprobs=logprob_lists(logprobs, at_root))
+        self._attach_hidden(outputs, hidden_rows, tracker.rows)
+        return outputs
 
     def _resolve_ahead(self) -> list[StepOutput]:
         """Read the pass issued ahead, if any (prompts are about to join the
@@ -345,13 +420,44 @@ class Decoder:
         if self.ahead is None or not self.tracker.rows:
             self.ahead = None
             return []
-        (token, _, logprobs), self.ahead = self.ahead, None
+        (token, hidden, logprobs), self.ahead = self.ahead, None
+        hidden_rows = hidden.astype(mx.float16) if self.with_hidden else None
         at_root = np.zeros((len(self.tracker.rows), 1), np.int64)
         lists = logprob_lists(logprobs, at_root) or [None] * len(self.tracker.rows)
         going_on = [(r, t, lp) for r, t, lp in zip(self.tracker.rows, np.array(token).tolist(), lists) if r not in self.leaving]
         rows = [r for r, _, _ in going_on]
         per_row = None if logprobs is None else [lp for _, _, lp in going_on]
-        return self._finished(self.tracker.emit([[t] for _, t, _ in going_on], [0] * len(rows), [1] * len(rows), rows=rows, logprobs=per_row))
+        outputs = self.tracker.emit([[t] for _, t, _ in going_on], [0] * len(rows), [1] * len(rows), rows=rows, logprobs=per_row)
+        self._attach_hidden(outputs, hidden_rows, self.tracker.rows)
+        return self._finished(outputs)
+
+
+def fixed_costs(redrafter: ReDrafter, prompts: list, curve: CostCurve, tokens: int = 24) -> tuple[float, float]:
+    """(seconds a drafting step costs besides its pass, seconds of one
+    pipelined plain token), from the engine's own steps on ``prompts``:
+    plain decoding of ``tokens`` tokens, then drafting steps by context
+    lookup alone (a prompt that repeats itself, so that lookup drafts),
+    each step's time less the pass ``curve`` gives its node count. The
+    medians, after a step of each kind to warm up."""
+    lookup_only = ReDrafter(redrafter.base, None, redrafter.identity)
+
+    def step_times(draft: DraftSettings, prompts: list) -> list[tuple[float, int]]:
+        decoder = Decoder(lookup_only, draft)
+        decoder.join(prompts, tokens + 1)
+        timed = []
+        while decoder.rows:
+            tic = time.perf_counter()
+            outputs = decoder.step()
+            nodes = max((out.num_nodes or 1) for out in outputs) if outputs else 1
+            timed.append((time.perf_counter() - tic, nodes))
+        return timed[1:]
+
+    plain = step_times(DraftSettings(max_nodes=0, lookup=False, datastore_beams=0), prompts)
+    block = prompts[0][: len(prompts[0]) // 4]
+    repeating = [(block * 4)[: len(prompts[0])] for _ in prompts]
+    drafting = step_times(DraftSettings(max_nodes=4, datastore_beams=0), repeating)
+    fixed = statistics.median(max(seconds - curve(nodes), 0.0) for seconds, nodes in drafting) if drafting else 0.0
+    return fixed, statistics.median(seconds for seconds, _ in plain)
 
 
 def logprob_lists(logprobs: Optional[tuple], nodes: np.ndarray) -> Optional[list]:
@@ -401,18 +507,26 @@ def generate_steps(
     """
     if max_tokens < 0:
         raise UserError(f"max tokens must be at least 0, got {max_tokens}")
+    check_prompts(redrafter.base, prompts)
     if max_tokens == 0:
-        check_prompts(redrafter.base, prompts)
-        return
+        return iter(())
     decoder = Decoder(
         redrafter, draft or DraftSettings(), choose, eos_token_ids,
         prefill_step_size=prefill_step_size, profile=profile, cost_batch_sizes=(len(prompts),), cost_curve=cost_curve,
     )
+    # This machine's cost curve, measured now if it must be (announced on
+    # stderr): before the caller's clock starts, not inside the first step.
+    decoder.cost(len(prompts))
+    return _run(decoder, prompts, max_tokens, row_ids, prompt_caches)
+
+
+def _run(decoder: Decoder, prompts, max_tokens, row_ids, prompt_caches) -> Iterator[list[StepOutput]]:
+    identity = decoder.redrafter.identity
     outputs = decoder.join(prompts, max_tokens, row_ids, prompt_caches)
     while outputs:
         if prompt_caches is not None:
             for out in outputs:
                 if prompt_caches[out.row] is not None:
-                    prompt_caches[out.row].set(*decoder.prompt_cache(out.row), redrafter.identity)
+                    prompt_caches[out.row].set(*decoder.prompt_cache(out.row), identity)
         yield outputs
         outputs = decoder.step()

@@ -70,12 +70,53 @@ def launched() -> bool:
     return "MLX_RANK" in os.environ
 
 
-@dataclass
 class Ranks:
+    """The processes one model runs in. This class is one process alone,
+    where every exchange is the identity: the engine calls the same methods
+    whether or not the model is split (``SplitRanks``: several ranks)."""
+
+    rank: int = 0
+    size: int = 1
+    split: Optional[str] = None
+    alike: bool = True  # every rank rounds as rank 0 does (see settle)
+
+    @property
+    def several(self) -> bool:
+        """Whether the model is split over more than this process."""
+        return self.size > 1
+
+    def first(self, values) -> np.ndarray:
+        """Rank 0's ``values`` (floats) on every rank."""
+        return np.asarray(values, np.float32)
+
+    def broadcast(self, obj=None):
+        """Rank 0's ``obj`` on every rank."""
+        return obj
+
+    def settle(self, results):
+        """Rank 0's step ``results`` on every rank."""
+        return results
+
+    def differing(self, text: str) -> list[int]:
+        """The ranks whose ``text`` is not rank 0's."""
+        return []
+
+    def check_same(self, what: str, text: str) -> None:
+        """Refuse to start unless every rank has the same ``text``."""
+
+    def end(self) -> None:
+        """This process is done with the others."""
+
+
+ONE_PROCESS = Ranks()
+
+
+@dataclass
+class SplitRanks(Ranks):
     """The group of processes one model is split over."""
 
-    group: "mx.distributed.Group"
-    split: str
+    group: "mx.distributed.Group" = None
+    split: str = "pipeline"
     heartbeat: Optional["Heartbeat"] = None
     alike: bool = True  # every rank rounds as rank 0 does (see settle)
     resent: bool = False  # rank 0 has had to send a step (see settle)
@@ -182,7 +223,7 @@ def digest(results) -> tuple[int, int]:
     return int.from_bytes(d[:3], "big"), int.from_bytes(d[3:6], "big")
 
 
-def join(split: str = "pipeline", silence: float = SILENCE_SECONDS) -> Ranks:
+def join(split: str = "pipeline", silence: float = SILENCE_SECONDS) -> "SplitRanks":
     """Join the other ranks this process was launched with (``mlx.launch``
     sets the rank and the hostfile), and start the heartbeat."""
     if split not in SPLITS:
@@ -197,7 +238,7 @@ def join(split: str = "pipeline", silence: float = SILENCE_SECONDS) -> Ranks:
     except (RuntimeError, ValueError) as e:
         timer.cancel()
         raise UserError(f"cannot join the other ranks: {e}") from None
-    ranks = Ranks(group, split)
+    ranks = SplitRanks(group, split)
     if ranks.size > 1:
         ranks.heartbeat = Heartbeat(ranks, silence)
         ranks.alike = not ranks.differing(numerics())

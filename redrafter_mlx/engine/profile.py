@@ -12,17 +12,20 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-PHASES = ("prefill", "host", "verification", "acceptance", "drafting", "commit")
+PHASES = ("prefill", "host", "packing", "pass", "choice", "drafting", "commit")
 
 
 @dataclass
 class StepProfile:
     """Seconds per phase, summed over the steps profiled:
-    prefill: prompts fed and first tokens chosen; host: lookup, tree building
-    and pruning; verification: the base model's pass over the tree;
-    acceptance: token choice and the acceptance walk; drafting: the RNN's
-    beam search for the next step; commit: the accepted path's keys and
-    values moved into place."""
+    prefill: prompts fed and first tokens chosen; host: the plan (lookup,
+    the datastore, tree building and pruning) and the bookkeeping after the
+    step (what was accepted, the rows' tokens); packing: the trees as
+    device arrays, with their masks; pass: the base model's pass over the
+    tree (a plain step's pass, with its token choice); choice: token choice
+    at every node and the acceptance walk; drafting: the RNN's beam search
+    for the next step; commit: the accepted path's keys and values moved
+    into place."""
 
     seconds: dict = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
     steps: int = 0
@@ -38,3 +41,7 @@ class StepProfile:
     def restart(self) -> None:
         """Start the next lap now (time between runs counts nowhere)."""
         self.last = time.perf_counter()
+
+    def per_step(self) -> dict:
+        """Milliseconds a step per phase (the prefill left out)."""
+        return {phase: 1000 * t / self.steps if self.steps else 0.0 for phase, t in self.seconds.items() if phase != "prefill"}

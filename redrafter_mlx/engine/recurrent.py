@@ -36,10 +36,10 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.cache import ArraysCache
 
-from .cache import CacheLayout
+from .cache import CacheLayout, StepCache
 
 
-class RecurrentCache(ArraysCache):
+class RecurrentCache(ArraysCache, StepCache):
     """One recurrent layer's state, per row: ``cache[i]`` (B, ...) as the
     mlx-lm layer keeps it (``size`` arrays), never padded (rows joining a
     batch bring their own state; left padding of a prefill is masked).

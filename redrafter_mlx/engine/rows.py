@@ -51,14 +51,15 @@ class RowTracker:
         (``StepOutput.logprobs``), cut alike."""
         outputs = []
         for i, (row, tokens) in enumerate(zip(self.rows if rows is None else rows, tokens_per_row)):
-            finish = None
-            for j, token in enumerate(tokens):
-                if token in self.eos:
-                    tokens, finish = tokens[:j], "stop"
-                    break
+            # An EOS counts only within the row's room: one drafted past
+            # max_tokens would never have been generated (a "length" end).
             room = self.max_tokens[row] - self.produced[row]
-            if len(tokens) >= room:
-                tokens, finish = tokens[:room], finish or "length"
+            eos_at = next((j for j, token in enumerate(tokens[:room]) if token in self.eos), None)
+            finish = None
+            if eos_at is not None:
+                tokens, finish = tokens[:eos_at], "stop"
+            elif len(tokens) >= room:
+                tokens, finish = tokens[:room], "length"
             self.context[row].extend(tokens)
             self.produced[row] += len(tokens)
             accepted = None if num_accepted is None else num_accepted[i]

@@ -91,21 +91,15 @@ class SamplingSettings:
 MASK64 = (1 << 64) - 1
 
 
-def greedy(logits: mx.array, history: TokenHistory, logprobs: Optional[int] = None):
+class Greedy(Chooser):
     """The default chooser: the argmax of the raw logits, (B, N, V) -> (B, N)."""
-    choice = mx.argmax(logits, axis=-1)
-    return choice if logprobs is None else (choice, *top_logprobs(logits.astype(mx.float32), choice, logprobs))
+
+    def __call__(self, logits: mx.array, history: TokenHistory, logprobs: Optional[int] = None):
+        choice = mx.argmax(logits, axis=-1)
+        return choice if logprobs is None else (choice, *top_logprobs(logits.astype(mx.float32), choice, logprobs))
 
 
-# What the engine may ask a chooser, besides calling it: whether a prompt is
-# sampled (its drafts are judged apart), whether the choice reads the
-# history's tokens (then a plain step cannot be issued before the last token
-# is known), and how many alternatives' log-probabilities to report (None:
-# none; then ``choose(..., logprobs=K)`` returns them too). A chooser without
-# them is taken as greedy, as reading, and as reporting none.
-greedy.is_sampled = lambda row: False
-greedy.reads_tokens = lambda: False
-greedy.logprobs_wanted = lambda: None
+greedy = Greedy()
 
 
 def row_seed(seed: int, index: int) -> int:
@@ -237,37 +231,46 @@ def positions_of(history: TokenHistory, shape: tuple) -> np.ndarray:
     return np.broadcast_to(positions, shape)
 
 
-def make_chooser(settings: SamplingSettings) -> Chooser:
-    """A function (logits (B, N, V), history) -> (B, N) token ids; with
-    ``logprobs=K`` it also returns ``top_logprobs``'s arrays for K
-    alternatives."""
-    filters = []
-    if settings.top_p < 1:
-        filters.append(lambda x, coins: apply_top_p(x, settings.top_p))
-    if settings.min_p > 0:
-        filters.append(lambda x, coins: apply_min_p(x, settings.min_p))
-    if settings.xtc_probability > 0:
-        filters.append(lambda x, coins: apply_xtc(x, coins, settings))
-    if settings.top_k > 0:
-        filters.append(lambda x, coins: apply_top_k(x, settings.top_k))
-    bias = None
-    if settings.logit_bias:
-        bias = (mx.array(list(settings.logit_bias)), mx.array(list(settings.logit_bias.values()), mx.float32))
+class Sampler(Chooser):
+    """The choice ``SamplingSettings`` describe: mlx-lm's processors and
+    filters, then the argmax (temperature 0) or one Gumbel-max sample per
+    node (see the module docstring)."""
 
-    def seed_of(row: int) -> int:
+    def __init__(self, settings: SamplingSettings):
+        self.settings = settings
+        self.reads_tokens = settings.reads_tokens
+        self.logprobs_wanted = settings.logprobs
+        self.filters = []
+        if settings.top_p < 1:
+            self.filters.append(lambda x, coins: apply_top_p(x, settings.top_p))
+        if settings.min_p > 0:
+            self.filters.append(lambda x, coins: apply_min_p(x, settings.min_p))
+        if settings.xtc_probability > 0:
+            self.filters.append(lambda x, coins: apply_xtc(x, coins, settings))
+        if settings.top_k > 0:
+            self.filters.append(lambda x, coins: apply_top_k(x, settings.top_k))
+        self.bias = None
+        if settings.logit_bias:
+            self.bias = (mx.array(list(settings.logit_bias)), mx.array(list(settings.logit_bias.values()), mx.float32))
+        self.noise = {}  # (seed, position, vocab) -> Gumbel noise (vocab,), kept while calls still ask for it
+
+    def is_sampled(self, row: int) -> bool:
+        return self.settings.temp > 0
+
+    def seed_of(self, row: int) -> int:
+        settings = self.settings
         if settings.row_seeds is None:
             return row_seed(settings.seed, row)
         if row >= len(settings.row_seeds):
             raise UserError(f"row_seeds holds {len(settings.row_seeds)} seeds, but prompt {row} is being sampled")
         return settings.row_seeds[row]
 
-    noise = {}  # (seed, position, vocab) -> Gumbel noise (vocab,), kept while calls still ask for it
-
-    def noise_at(seeds: list, positions: np.ndarray, vocab: int) -> mx.array:
+    def noise_at(self, seeds: list, positions: np.ndarray, vocab: int) -> mx.array:
         """Noise (B, N, vocab) for each row's seed at each of its positions
         (B, N). Each (seed, position) is drawn once and reused while
         consecutive calls ask for it (the nodes of the next step stand
         where this step's deeper nodes stood)."""
+        noise = self.noise
         keys = [(seed, int(p), vocab) for seed, row in zip(seeds, positions) for p in row]
         missing = [k for k in dict.fromkeys(keys) if k not in noise]
         if missing:
@@ -277,11 +280,12 @@ def make_chooser(settings: SamplingSettings) -> Chooser:
             del noise[key]
         return mx.stack([noise[k] for k in keys]).reshape(*positions.shape, vocab)
 
-    def process(logits: mx.array, history: TokenHistory, positions: np.ndarray) -> mx.array:
+    def process(self, logits: mx.array, history: TokenHistory, positions: np.ndarray) -> mx.array:
         """The logits processors, in mlx-lm's order."""
+        settings = self.settings
         logits = logits.astype(mx.float32)
-        if bias is not None:
-            logits = logits.at[..., bias[0]].add(bias[1])
+        if self.bias is not None:
+            logits = logits.at[..., self.bias[0]].add(self.bias[1])
         if settings.repetition_penalty is not None:
             windows = history_windows(history, settings.repetition_context_size)
             logits = apply_repetition_penalty(logits, windows, settings.repetition_penalty)
@@ -300,10 +304,11 @@ def make_chooser(settings: SamplingSettings) -> Chooser:
                 logits = mx.where((forced >= 0) & (mx.arange(vocab) != forced), -mx.inf, logits)
         return logits
 
-    def choose(logits: mx.array, history: TokenHistory, logprobs: Optional[int] = None):
+    def __call__(self, logits: mx.array, history: TokenHistory, logprobs: Optional[int] = None):
+        settings = self.settings
         batch, nodes, vocab = logits.shape
         positions = positions_of(history, (batch, nodes))
-        logits = process(logits, history, positions)
+        logits = self.process(logits, history, positions)
         if settings.temp == 0:
             choice = mx.argmax(logits, axis=-1)
         else:
@@ -311,46 +316,59 @@ def make_chooser(settings: SamplingSettings) -> Chooser:
             # filters (top-p divides by the total mass) nor the argmax see; the
             # maximum is 0, so exp() cannot overflow. Cheaper than a logsumexp.
             filtered = (logits - logits.max(axis=-1, keepdims=True)).reshape(-1, vocab)
-            seeds = [seed_of(r) for r in history.rows]
+            seeds = [self.seed_of(r) for r in history.rows]
             coins = xtc_coins(seeds, positions).reshape(-1) if settings.xtc_probability > 0 else None
-            for apply_filter in filters:
+            for apply_filter in self.filters:
                 filtered = apply_filter(filtered, coins)
-            choice = mx.argmax(filtered.reshape(batch, nodes, vocab) / settings.temp + noise_at(seeds, positions, vocab), axis=-1)
+            choice = mx.argmax(filtered.reshape(batch, nodes, vocab) / settings.temp + self.noise_at(seeds, positions, vocab), axis=-1)
         if logprobs is None:
             return choice
         return (choice, *top_logprobs(logits, choice, logprobs))
 
-    choose.is_sampled = lambda row: settings.temp > 0
-    choose.reads_tokens = lambda: settings.reads_tokens
-    choose.logprobs_wanted = lambda: settings.logprobs
-    return choose
+
+def make_chooser(settings: SamplingSettings) -> Chooser:
+    """The chooser for these settings: (logits (B, N, V), history) -> (B, N)
+    token ids; with ``logprobs=K`` it also returns ``top_logprobs``'s arrays
+    for K alternatives."""
+    return Sampler(settings)
 
 
-def chooser_per_prompt(choosers: dict) -> Chooser:
+class PerPrompt(Chooser):
     """A chooser for a batch whose prompts have settings of their own:
     ``choosers`` maps each prompt's id (``TokenHistory.rows``) to its
     chooser, which sees the prompt as prompt 0 of a list of its own (so a
     seeded prompt samples as it would alone). The dict may change between
     calls, as prompts join and leave."""
 
-    def choose(logits: mx.array, history: TokenHistory, logprobs: Optional[int] = None):
+    def __init__(self, choosers: dict):
+        self.choosers = choosers
+
+    def __call__(self, logits: mx.array, history: TokenHistory, logprobs: Optional[int] = None):
         chosen = []
         for i, row in enumerate(history.rows):
             nodes = [None if a is None else a[i : i + 1] for a in (history.node_tokens, history.node_mask, history.node_depths)]
             row_history = TokenHistory([0], [history.context[i]], *nodes)
             if logprobs is None:
-                chosen.append(choosers[row](logits[i : i + 1], row_history))
+                chosen.append(self.choosers[row](logits[i : i + 1], row_history))
             else:
-                chosen.append(choosers[row](logits[i : i + 1], row_history, logprobs=logprobs))
+                chosen.append(self.choosers[row](logits[i : i + 1], row_history, logprobs=logprobs))
         if logprobs is None:
             return mx.concatenate(chosen)
         return tuple(mx.concatenate(parts) for parts in zip(*chosen))
 
-    def logprobs_wanted() -> Optional[int]:
-        wanted = [w for w in (getattr(c, "logprobs_wanted", lambda: None)() for c in choosers.values()) if w is not None]
+    @property
+    def logprobs_wanted(self) -> Optional[int]:
+        wanted = [c.logprobs_wanted for c in self.choosers.values() if c.logprobs_wanted is not None]
         return max(wanted) if wanted else None
 
-    choose.is_sampled = lambda row: getattr(choosers[row], "is_sampled", lambda _: False)(0)
-    choose.reads_tokens = lambda: any(getattr(c, "reads_tokens", lambda: True)() for c in choosers.values())
-    choose.logprobs_wanted = logprobs_wanted
-    return choose
+    @property
+    def reads_tokens(self) -> bool:
+        return any(c.reads_tokens for c in self.choosers.values())
+
+    def is_sampled(self, row: int) -> bool:
+        return self.choosers[row].is_sampled(0)
+
+
+def chooser_per_prompt(choosers: dict) -> Chooser:
+    """``PerPrompt(choosers)``: each prompt of the batch chooses by its own."""
+    return PerPrompt(choosers)

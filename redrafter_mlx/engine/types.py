@@ -2,7 +2,7 @@
 may read, and what a step gives each row."""
 
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Optional
 
 import mlx.core as mx
 import numpy as np
@@ -58,9 +58,31 @@ class TokenHistory:
     node_depths: Optional[mx.array] = None
 
 
-# choose(logits (B, N, vocab), history) -> (B, N) token ids; the history gives
-# each row's context and each node's ancestors for history-dependent processors.
-Chooser = Callable[[mx.array, TokenHistory], mx.array]
+class Chooser:
+    """How the base model's token after every node is chosen.
+
+    ``choose(logits (B, N, vocab), history)`` -> (B, N) token ids; with
+    ``logprobs=K`` it returns (ids, chosen log-probabilities (B, N), top
+    ids (B, N, K), top log-probabilities (B, N, K)) instead. The history
+    gives each row's context and each node's ancestors, for processors that
+    read them.
+
+    What the engine asks besides: ``is_sampled(row)``, whether a prompt is
+    sampled (its drafts are judged apart from greedy ones);
+    ``reads_tokens``, whether a choice reads the history's tokens (then a
+    plain pass cannot be issued before the last token is known);
+    ``logprobs_wanted``, how many alternatives' log-probabilities to report
+    (None: none). The defaults are a greedy choice's.
+    """
+
+    reads_tokens: bool = False
+    logprobs_wanted: Optional[int] = None
+
+    def is_sampled(self, row: int) -> bool:
+        return False
+
+    def __call__(self, logits: mx.array, history: TokenHistory, logprobs: Optional[int] = None):
+        raise NotImplementedError
 
 
 @dataclass

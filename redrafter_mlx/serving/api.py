@@ -100,9 +100,7 @@ def stream_generate(
     cached = prompt_cache.reusable(prompt_ids) if prompt_cache is not None else 0
     detokenizer = tokenizer.detokenizer
     detokenizer.reset()
-    tic = time.perf_counter()
-    prompt_tps, generated, steps, step_tokens, step_nodes = 0.0, 0, 0, 0, 0
-    for (out,) in generate_steps(
+    running = generate_steps(
         redrafter,
         [prompt_ids],
         max_tokens=max_tokens,
@@ -111,7 +109,10 @@ def stream_generate(
         eos_token_ids=tokenizer.eos_token_ids,
         profile=profile,
         prompt_caches=None if prompt_cache is None else [prompt_cache],
-    ):
+    )
+    tic = time.perf_counter()  # (after the cost curve, if it had to be measured)
+    prompt_tps, generated, steps, step_tokens, step_nodes = 0.0, 0, 0, 0, 0
+    for (out,) in running:
         if out.num_accepted is None:
             prompt_tps = (len(prompt_ids) - cached) / (time.perf_counter() - tic)
             tic = time.perf_counter()
@@ -204,8 +205,7 @@ def batch_generate(
         tokens = [[] for _ in chunk]
         steps, step_tokens, step_nodes = [0] * len(chunk), [0] * len(chunk), [0] * len(chunk)
         finish = [None] * len(chunk)
-        tic = time.perf_counter()
-        for outputs in generate_steps(
+        running = generate_steps(
             redrafter,
             chunk,
             max_tokens=max_tokens,
@@ -213,7 +213,9 @@ def batch_generate(
             choose=choose,
             eos_token_ids=tokenizer.eos_token_ids,
             row_ids=range(start, start + len(chunk)),
-        ):
+        )
+        tic = time.perf_counter()  # (after the cost curve, if it had to be measured)
+        for outputs in running:
             for out in outputs:
                 tokens[out.row] += out.tokens
                 finish[out.row] = out.finish_reason

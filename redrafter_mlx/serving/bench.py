@@ -9,6 +9,7 @@ sampled baseline emits exactly the tokens the seeded ReDrafter run emits,
 and the two are timed on the same text.
 """
 
+import json
 import platform
 import statistics
 import time
@@ -22,8 +23,9 @@ from ..blas import blas_name
 from ..drafting.settings import DraftSettings
 from ..engine import calibrate
 from ..engine.autoregressive import autoregressive_steps
-from ..engine.decoder import generate_steps
-from ..engine.profile import StepProfile
+from ..engine.decoder import fixed_costs, generate_steps
+from ..engine.distributed import ONE_PROCESS, Ranks
+from ..engine.profile import PHASES, StepProfile
 from ..engine.types import Chooser, ReDrafter, TokenHistory
 from ..errors import UserError
 
@@ -137,7 +139,8 @@ class ConfigResult:
                 for b, c in self.counts.items()
             ],
             "time_split": {phase: t / split if split else 0.0 for phase, t in spent.items()},
-            "overhead_share": (split - spent["verification"]) / spent["verification"] if spent["verification"] else 0.0,
+            "step_ms": self.profile.per_step(),
+            "overhead_share": (split - spent["pass"]) / spent["pass"] if spent["pass"] else 0.0,
             "peak_memory_gb": self.peak_memory_gb,
             "mismatches": self.mismatches,
         }
@@ -170,7 +173,7 @@ def baseline_run(redrafter: ReDrafter, prompts: list, max_tokens: int, choose: C
                 break
             tokens.append(token)
         outputs = [tokens]
-    elif not getattr(choose, "is_sampled", lambda row: True)(0):
+    elif not choose.is_sampled(0):
         outputs = mlx_lm_batch(redrafter.base.model, prompts, max_tokens, eos)
     else:
         outputs = [[] for _ in prompts]
@@ -222,7 +225,8 @@ def run_benchmark(
     repeats: int,
     choose: Chooser,
     eos: list,
-    progress: Optional[Callable[[int], None]] = None,
+    progress: Optional[Callable[[str], None]] = None,
+    batch_done: Optional[Callable[[int, list], None]] = None,
     curve=None,
 ) -> list[ConfigResult]:
     """Time every configuration against the baseline on every batch of
@@ -236,9 +240,13 @@ def run_benchmark(
     one acceptance history, as the requests of a running chat or server do.
     ``curve``: the cost curve every run sizes its trees by (None: the
     engine's own, which it may measure again between runs).
+    ``progress(what)`` is told after every run (``count_runs`` of them:
+    warm-up, profiled, timed); ``batch_done(b, [(config, Run, baseline
+    Run)])`` after each timed batch.
     """
     batches = [prompts[i : i + batch_size] for i in range(0, len(prompts), batch_size)]
     results = [ConfigResult(c.name) for c in configs]
+    tick = progress or (lambda what: None)
     # Each configuration has its own acceptance history (lookup: no drafter).
     used = {
         c.name: ReDrafter(redrafter.base, redrafter.drafter, redrafter.identity, redrafter.drafter_identity, datastore=redrafter.datastore)
@@ -247,16 +255,21 @@ def run_benchmark(
     }
     # Warm-up: compile kernels and fill allocator caches for every path.
     baseline_run(redrafter, batches[0], 8, choose, eos)
-    profiled = batches[:: -(-len(batches) // PROFILED_BATCHES)]
+    tick("warm-up")
     for c, r in zip(configs, results):
         redrafter_run(used[c.name], batches[0], 8, choose, eos, c, curve=curve)
-        for batch in profiled:
+        tick("warm-up")
+        for batch in profiled_batches(batches):
             redrafter_run(used[c.name], batch, max_tokens, choose, eos, c, profile=r.profile, curve=curve)
+            tick("profile")
     for _ in range(repeats):
         for b, batch in enumerate(batches):
             baseline = baseline_run(redrafter, batch, max_tokens, choose, eos)
+            tick("timed")
+            runs = []
             for c, r in zip(configs, results):
                 run = redrafter_run(used[c.name], batch, max_tokens, choose, eos, c, curve=curve)
+                runs.append((c.name, run, baseline))
                 r.baseline_tps.append(baseline.tokens_per_second)
                 r.baseline_runs.setdefault(b, []).append(baseline.tokens_per_second)
                 r.redrafter_tps.append(run.tokens_per_second)
@@ -266,8 +279,93 @@ def run_benchmark(
                     counts[i] += n
                 r.peak_memory_gb = max(r.peak_memory_gb, run.peak_memory_gb)
                 r.mismatches += sum(a != b for a, b in zip(run.tokens, baseline.tokens))
-                if progress:
-                    progress(1)
+                tick("timed")
+            if batch_done:
+                batch_done(b, runs)
+    return results
+
+
+def profiled_batches(batches: list) -> list:
+    return batches[:: -(-len(batches) // PROFILED_BATCHES)]
+
+
+def count_runs(num_batches: int, num_configs: int, repeats: int) -> int:
+    """Runs ``run_benchmark`` makes: one warm-up of plain decoding and of
+    each configuration, the profiled ones, and the timed ones."""
+    profiled = len(profiled_batches(list(range(num_batches))))
+    return 1 + num_configs * (1 + profiled) + repeats * num_batches * (1 + num_configs)
+
+
+def batch_line(b: int, num_batches: int, runs: list) -> str:
+    """One line per timed batch: plain decoding's rate, and each
+    configuration's speed-up and tokens per step."""
+    _, _, baseline = runs[0]
+    parts = [f"plain {baseline.tokens_per_second:.1f} tok/s"]
+    for name, run, _ in runs:
+        per_step = run.step_tokens / run.steps if run.steps else 0.0
+        parts.append(f"{name} {run.tokens_per_second / baseline.tokens_per_second:.2f}x ({per_step:.2f} tok/step)")
+    return f"batch {b + 1}/{num_batches}: " + ", ".join(parts)
+
+
+def default_report_path(now=None) -> str:
+    """Where results go when no ``--json`` is given: a dated file in the working folder."""
+    import datetime
+
+    stamp = (now or datetime.datetime.now()).strftime("%Y%m%d-%H%M%S")
+    return f"bench-{stamp}.json"
+
+
+def bench_command(redrafter: ReDrafter, tokenizer, texts: list, configs: list, choose: Chooser, used: dict, *, ranks: Ranks = ONE_PROCESS,
+                  refresh: bool = False, json_path: Optional[str] = None, plot: Optional[str] = None, profile: bool = False,
+                  write=print) -> list:
+    """``redrafter-mlx bench``: the machine and its cost curve, a progress
+    bar over every run, a line per batch, the table, and the results saved
+    as JSON (to ``json_path``, else a dated file in the working folder);
+    with ``profile``, the milliseconds a step spends in each phase.
+    ``used``: the command's settings, recorded with the results."""
+    import sys
+
+    from tqdm import tqdm
+
+    from .api import encode_prompt
+
+    writer = ranks.rank == 0
+    if redrafter.drafter is None and any(c.name.startswith(("rnn", "both")) for c in configs):
+        raise UserError("the rnn and both configurations need a drafter")
+    batch_size = used["batch_size"]
+    env = dict(environment(redrafter), ranks=ranks.size, split=ranks.split)
+    write(f"device {env['device']}, BLAS {env['blas']}, dtype {env['dtype']}, mlx {env['mlx']}, mlx-lm {env['mlx_lm']}"
+          + (f", {ranks.size} ranks ({ranks.split})" if ranks.several else ""))
+    prompts = [encode_prompt(tokenizer, t) for t in texts]
+    curve = calibration(redrafter, min(batch_size, len(prompts)), refresh=refresh)
+    write(format_curve(curve))
+    num_batches = -(-len(prompts) // batch_size)
+    total = count_runs(num_batches, len(configs), used["repeats"])
+    with tqdm(total=total, unit="run", desc="bench", file=sys.stderr, disable=not writer) as bar:
+        results = run_benchmark(
+            redrafter, prompts, configs, max_tokens=used["max_tokens"], batch_size=batch_size, repeats=used["repeats"],
+            choose=choose, eos=list(tokenizer.eos_token_ids), curve=curve,
+            progress=lambda what: (bar.set_postfix_str(what, refresh=False), bar.update(1)),
+            batch_done=lambda b, runs: bar.write(batch_line(b, num_batches, runs), file=sys.stderr) if writer else None,
+        )
+    write(format_table(results))
+    if profile:
+        write(format_profile(results))
+    mismatched = [r.name for r in results if r.mismatches]
+    if mismatched:
+        print(f"WARNING: ReDrafter output differs from plain decoding for {', '.join(mismatched)}", file=sys.stderr)
+    if writer:
+        path = json_path or default_report_path()
+        settings = dict(used, num_prompts=len(prompts), drafter_sha256=redrafter.drafter_identity or None, model_identity=redrafter.identity)
+        try:
+            with open(path, "w") as f:
+                json.dump(report(results, settings, env, curve), f, indent=2)
+        except OSError as e:
+            raise UserError(f"cannot write the results to {path}: {e.strerror or e}") from None
+        write(f"results saved to {path}")
+        if plot:
+            plot_speedups(results, plot, f"speed-up, {env['device']} {env['dtype']}, batch {batch_size}")
+            write(f"plot saved to {plot}")
     return results
 
 
@@ -289,7 +387,7 @@ def environment(redrafter: ReDrafter) -> dict:
 def calibration(redrafter: ReDrafter, batch_size: int, refresh: bool = False):
     """The cost curve the default settings size trees by at this batch size."""
     shape = DraftSettings().search_shape(redrafter.drafter) if redrafter.drafter else None
-    return calibrate.cost_curve(redrafter, batch_size, shape, refresh=refresh)
+    return calibrate.cost_curve(redrafter, batch_size, shape, refresh=refresh, step_costs=fixed_costs)
 
 
 def format_table(results: list[ConfigResult]) -> str:
@@ -308,11 +406,24 @@ def format_table(results: list[ConfigResult]) -> str:
     return "\n".join(lines)
 
 
+def format_profile(results: list[ConfigResult]) -> str:
+    """Milliseconds a step spends in each phase, per configuration (from
+    the profiled runs, whose synchronisations the timed runs do not pay)."""
+    phases = [p for p in PHASES if p != "prefill"]
+    header = f"{'config':>12} " + " ".join(f"{p:>9}" for p in phases) + f" {'total':>9}"
+    lines = ["milliseconds per step, by phase (profiled runs):", header, "-" * len(header)]
+    for r in results:
+        ms = r.profile.per_step()
+        lines.append(f"{r.name:>12} " + " ".join(f"{ms[p]:9.2f}" for p in phases) + f" {sum(ms.values()):9.2f}")
+    return "\n".join(lines)
+
+
 def format_curve(curve) -> str:
     """The cost curve as one line per size: seconds and cost relative to one token."""
     lines = ["verification cost: nodes per row -> ms (relative to 1)"]
     for n, seconds, relative in zip(curve.sizes, curve.seconds, curve.relative()):
         lines.append(f"  {n:3d}: {1000 * seconds:8.2f} ms  {relative:5.2f}x")
+    lines.append(f"  a drafting step besides its pass: {1000 * curve.step_seconds:.2f} ms; a plain token: {1000 * curve.plain:.2f} ms")
     if curve.draft_seconds:
         lines.append(f"  RNN beam search: {1000 * curve.draft_seconds:.2f} ms")
     return "\n".join(lines)

@@ -16,7 +16,8 @@ CHAT_SAMPLING = {"temp": 0.7, "top_p": 0.9}
 # generation_config.json's sampling fields, as SamplingSettings names them.
 GENERATION_CONFIG_FIELDS = {"temperature": "temp", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p", "repetition_penalty": "repetition_penalty"}
 
-HELP = "Commands: /reset clears the conversation, /stats shows speed figures, /quit leaves (or Ctrl-D). Ctrl-C stops an answer."
+HELP = "Commands: /help lists them, /reset clears the conversation, /stats shows speed figures, /quit (or exit, quit, Ctrl-D) leaves. Ctrl-C stops an answer."
+QUIT = ("/quit", "/exit", "exit", "quit")
 
 
 def chat_sampling(recommended: dict, **given) -> SamplingSettings:
@@ -39,6 +40,7 @@ class Stats:
     step_tokens: int = 0
     first_token_seconds: float = 0.0  # from the message to its answer's first token
     cached_tokens: int = 0  # prompt tokens the conversation's cache held
+    finish_reason: str = ""  # the last answer's: "stop", "length", or "" when interrupted
 
     def add(self, other: "Stats") -> None:
         self.tokens += other.tokens
@@ -77,15 +79,20 @@ def answer(
             write(response.text)
             text += response.text
             stats.tokens, stats.steps, stats.step_tokens = response.generation_tokens, response.steps, response.step_tokens
+            stats.finish_reason = response.finish_reason or ""
     except KeyboardInterrupt:
         interrupted = True
     stats.seconds = time.perf_counter() - tic
     return text, stats, interrupted
 
 
-def chat_loop(redrafter, tokenizer, max_tokens: int, system_prompt=None, read=input, write=print, prompt_log=None, **generation) -> None:
+def chat_loop(redrafter, tokenizer, max_tokens: int, system_prompt=None, read=input, write=print, prompt_log=None, dim=lambda text: text,
+              **generation) -> None:
     """Read a message, stream the answer, repeat; see HELP. With
-    ``prompt_log`` (a ``PromptLog``), each conversation answered is logged."""
+    ``prompt_log`` (a ``PromptLog``), each conversation answered is logged.
+    A line starting with ``/`` is a command, never a message; ``exit`` or
+    ``quit`` alone on a line leaves as ``/quit`` does. ``dim`` marks the
+    notes written after an answer (a terminal dims them)."""
     # A shell starts background jobs with SIGINT ignored, and Python then
     # never raises KeyboardInterrupt; Ctrl-C must stop an answer regardless.
     # The handler also records the press, cleared before each answer.
@@ -119,8 +126,11 @@ def chat_loop(redrafter, tokenizer, max_tokens: int, system_prompt=None, read=in
             write()
             continue
         command = query.strip()
-        if command == "/quit":
+        if command.lower() in QUIT:
             return
+        if command == "/help":
+            write(f"[{HELP}]")
+            continue
         if command == "/reset":
             messages = start()
             cache.clear()
@@ -129,6 +139,9 @@ def chat_loop(redrafter, tokenizer, max_tokens: int, system_prompt=None, read=in
         if command == "/stats":
             write(f"[last answer: {last.describe()}; {last.describe_prompt()}]")
             write(f"[session: {session.describe()}]")
+            continue
+        if command.startswith("/"):
+            write(f"[unknown command {command.split()[0]}; /help lists the commands]")
             continue
         if not command:
             continue
@@ -141,4 +154,9 @@ def chat_loop(redrafter, tokenizer, max_tokens: int, system_prompt=None, read=in
         # What was shown is what the model said, so a stopped answer stays
         # in the conversation as it stands.
         messages.append({"role": "assistant", "content": text})
-        write(" [stopped]" if interrupted else "")
+        if interrupted:
+            write(dim(" [stopped]"))
+        elif last.finish_reason == "length":
+            write(dim(f" [stopped at --max-tokens {max_tokens}]"))
+        else:
+            write("")

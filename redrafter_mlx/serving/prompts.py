@@ -53,7 +53,7 @@ def read_prompts(path: str) -> list[Prompt]:
         try:
             record = json.loads(line)
         except json.JSONDecodeError as e:
-            raise UserError(f"{path}, line {number}: not valid JSON ({e.msg})") from None
+            raise UserError(f"{path}, line {number}, column {e.colno}: not valid JSON ({e.msg})") from None
         prompt = _parse(record)
         if prompt is None:
             raise UserError(

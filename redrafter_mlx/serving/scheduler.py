@@ -102,7 +102,7 @@ class Scheduler:
         # calls (``follow``), told what they are at every iteration.
         self.ranks = redrafter.base.ranks
         self.reset_next = False
-        self.store = PromptCacheStore(0 if self.ranks else cache_bytes)  # no prompt caches when split
+        self.store = PromptCacheStore(0 if self.ranks.several else cache_bytes)  # no prompt caches when split
         self.incoming: queue.Queue = queue.Queue()
         self.ids = itertools.count()
         self.choosers: dict = {}
@@ -210,7 +210,7 @@ class Scheduler:
 
     def _tell(self, stop: bool = False, reset: bool = False, leave=(), join=()) -> None:
         """What this iteration does, for the other ranks of a split model."""
-        if self.ranks is not None:
+        if self.ranks.several:
             self.ranks.broadcast(dict(stop=stop, reset=reset or self.reset_next, leave=list(leave), join=list(join)))
             self.reset_next = False
 

@@ -1,8 +1,8 @@
 """The HTTP server (Starlette on uvicorn) over the continuous-batching
 ``Scheduler``: the OpenAI dialect (``/v1/chat/completions``,
-``/v1/completions``, ``/v1/models``), the Anthropic Messages dialect
-(``/v1/messages``, ``/v1/messages/count_tokens``), ``/health`` and
-``/metrics``.
+``/v1/completions``, ``/v1/models``), OpenAI's Responses dialect
+(``/v1/responses``), the Anthropic Messages dialect (``/v1/messages``,
+``/v1/messages/count_tokens``), ``/health`` and ``/metrics``.
 
 Every route but ``/health`` needs the API key when one is set
 (``Authorization: Bearer KEY`` or ``x-api-key: KEY``). Bad input gets an
@@ -31,7 +31,7 @@ from starlette.requests import ClientDisconnect, Request as HTTPRequest
 from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.routing import Route
 
-from . import anthropic_api, openai_api
+from . import anthropic_api, openai_api, responses_api
 from .answer import Answer
 from .metrics import Metrics
 from .prompts import PromptLog
@@ -41,8 +41,9 @@ from .scheduler import Refused, Scheduler
 MAX_BODY_BYTES = 4 << 20
 KEEP_ALIVE_SECONDS = 5.0
 RETRY_AFTER_SECONDS = 1
-ROUTES = ("/v1/chat/completions", "/v1/completions", "/chat/completions", "/completions", "/v1/messages",
-          "/v1/messages/count_tokens", "/v1/models", "/health", "/metrics")
+ROUTES = ("/v1/chat/completions", "/v1/completions", "/chat/completions", "/completions", "/v1/responses", "/responses",
+          "/v1/messages", "/v1/messages/count_tokens", "/v1/models", "/health", "/metrics")
+RESPONSES = ("/v1/responses", "/responses")
 
 
 def anthropic(path: str) -> bool:
@@ -54,6 +55,8 @@ def error_response(path: str, message: str, status: int, param: Optional[str] = 
     """An error in the dialect of the route it answers."""
     if anthropic(path):
         body = anthropic_api.error_body(message, status, tokens, limit)
+    elif path in RESPONSES:
+        body = responses_api.error_body(message, status, param, code)
     else:
         body = openai_api.error_body(message, status, param, code)
     return JSONResponse(body, status_code=status, headers=headers)
@@ -120,6 +123,8 @@ class Server:
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/chat/completions", self.chat_completions, methods=["POST"]),
             Route("/completions", self.completions, methods=["POST"]),
+            Route("/v1/responses", self.responses, methods=["POST"]),
+            Route("/responses", self.responses, methods=["POST"]),
             Route("/v1/messages", self.messages, methods=["POST"]),
             Route("/v1/messages/count_tokens", self.count_tokens, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
@@ -155,6 +160,9 @@ class Server:
 
     async def completions(self, request: HTTPRequest):
         return await self._handle(request, openai_api.parse_completion, openai_api.OpenAIAnswer)
+
+    async def responses(self, request: HTTPRequest):
+        return await self._handle(request, responses_api.parse_response, responses_api.ResponsesAnswer)
 
     async def messages(self, request: HTTPRequest):
         return await self._handle(request, anthropic_api.parse_messages, anthropic_api.AnthropicAnswer)
@@ -231,7 +239,7 @@ def run_server(
     server = Server(scheduler, tokenizer, model_name, max_tokens, redrafter.base.max_context, max_body_bytes, prompt_log, api_key, keep_alive)
     host, port = sock.getsockname()[:2]
     where = f"[{host}]" if ":" in host else host
-    announce(f"serving {model_name} at http://{where}:{port} (/v1/chat/completions, /v1/completions, /v1/messages, /v1/models; /health, /metrics); Ctrl-C stops")
+    announce(f"serving {model_name} at http://{where}:{port} (/v1/chat/completions, /v1/completions, /v1/responses, /v1/messages, /v1/models; /health, /metrics); Ctrl-C stops")
     config = uvicorn.Config(server.app(), log_level="warning", timeout_graceful_shutdown=shutdown_timeout + 5)
     # uvicorn raises the signal again once it has shut down; answered by a
     # handler that does nothing, a SIGTERM ends the process with status 0.

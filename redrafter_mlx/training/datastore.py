@@ -8,12 +8,13 @@ from ..drafting.datastore import Datastore
 from ..drafting.drafter import CONFIG_FILE, DrafterArgs, read_config
 from ..errors import UserError
 from .distill import Sequences, data_folders
-from .train import TrainConfig, held_out_sequences
+from .train import TrainConfig, held_out_sequences, refresh_card_datastore
 
 
 def add_datastore(drafter: str, data: list) -> tuple[Path, int, int]:
-    """Write ``datastore.npy`` into the drafter folder from the data folders;
-    returns (its path, tokens, answers)."""
+    """Write ``datastore.npy`` into the drafter folder from the data folders,
+    and describe it in the folder's model card (its ``| datastore |`` row,
+    which ``train`` writes); returns (its path, tokens, answers)."""
     config_path = Path(drafter) / CONFIG_FILE
     if not config_path.is_file():
         raise UserError(f"drafter folder {drafter} has no {CONFIG_FILE}")
@@ -24,4 +25,6 @@ def add_datastore(drafter: str, data: list) -> tuple[Path, int, int]:
     sequences = Sequences.concatenate([folder.load() for folder in folders])
     keep = ~held_out_sequences(sequences.prompt_index, TrainConfig().eval_fraction)
     store = Datastore.from_answers(sequences, keep, args.vocab_size)
-    return store.save(drafter), int((store.tokens >= 0).sum()), int(keep.sum())
+    path = store.save(drafter)
+    refresh_card_datastore(drafter)
+    return path, int((store.tokens >= 0).sum()), int(keep.sum())

@@ -23,11 +23,24 @@ Hidden states come from the data folder: ``distill`` saves them beside each
 shard, and shards without them are run through the base model once, a batch
 of sequences at a time. Training reads them from a float16 memory-mapped
 file, so they are never all in memory.
+
+The output: ``train --output OUTPUT`` writes the finished drafter, and only
+it, into ``OUTPUT/``: ``config.json`` (naming the base model's identity, by
+which the loader matches a drafter to its model), ``model.safetensors`` and
+a generated model card ``README.md`` (``datastore`` adds ``datastore.npy``).
+The folder loads as it is (``--drafter OUTPUT``) and uploads to the Hugging
+Face Hub as it is (``hf upload owner/name OUTPUT``), since the upload takes
+every file in it. The training state, the resumable ``checkpoint/`` and
+``train_log.jsonl``, goes to the sibling folder ``OUTPUT.train/``: outside
+the drafter, so neither the loader nor an upload ever sees it. Runs begun
+before this layout kept that state inside ``OUTPUT/``; resuming one moves
+it out (``move_old_training_state``).
 """
 
 import json
 import math
 import os
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -39,8 +52,11 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
-from ..drafting.drafter import Drafter, DrafterArgs, load_drafter, save_drafter
+from ..drafting.datastore import BOUNDARY16
+from ..drafting.datastore import FILE as DATASTORE_FILE
+from ..drafting.drafter import CONFIG_FILE, WEIGHTS_FILE, Drafter, DrafterArgs, load_drafter, read_config, save_drafter
 from ..errors import UserError
+from ..loading.loader import MODEL_CARD_FILE, is_hub_id
 from .distill import DataFolder, Sequences, data_folders, hidden_path
 
 HIDDEN_FILE = "hidden.f16.npy"
@@ -48,6 +64,12 @@ HIDDEN_INDEX = "hidden-index.json"  # which shards the cache was built from
 CHECKPOINT_DIR = "checkpoint"
 STATE_FILE = "trainer.json"
 OPTIMIZER_FILE = "optimizer.safetensors"
+LOG_FILE = "train_log.jsonl"
+STATE_SUFFIX = ".train"  # OUTPUT.train/ beside the drafter folder OUTPUT/ holds the training state
+# What the training state folder may hold: the checkpoint (and the
+# temporary names save_checkpoint renames through) and the log.
+STATE_NAMES = {CHECKPOINT_DIR, CHECKPOINT_DIR + ".tmp", CHECKPOINT_DIR + ".old", LOG_FILE}
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # the embedded default model (load_base_model(None))
 
 
 @dataclass
@@ -328,7 +350,10 @@ class Trainer:
     """Holds the drafter, optimizer, data and step counter; resumable."""
 
     def __init__(self, base, positions: Positions, hidden_cache: np.ndarray, config: TrainConfig, output: str, draft_token_ids: Optional[np.ndarray]):
+        """``output``: the drafter folder ``export`` writes; checkpoints go
+        to its training state folder (``training_state_folder``)."""
         self.base, self.config, self.output = base, config, Path(output)
+        self.state_folder = training_state_folder(output)
         self.positions, self.hidden_cache = positions, hidden_cache
         self.train_rows = np.flatnonzero(~positions.held_out)
         self.eval_rows = np.flatnonzero(positions.held_out)
@@ -444,15 +469,19 @@ class Trainer:
 
     # -- checkpoints -------------------------------------------------------
 
+    @property
+    def checkpoint_folder(self) -> Path:
+        return self.state_folder / CHECKPOINT_DIR
+
     def save_checkpoint(self) -> None:
         """Weights, optimizer state and step, written to a temporary folder
         and renamed into place, so an interruption never leaves a broken one."""
-        final = self.output / CHECKPOINT_DIR
-        temporary = self.output / (CHECKPOINT_DIR + ".tmp")
+        final = self.checkpoint_folder
+        temporary = self.state_folder / (CHECKPOINT_DIR + ".tmp")
         save_drafter(self.drafter, str(temporary))
         mx.save_safetensors(str(temporary / OPTIMIZER_FILE), dict(tree_flatten(self.optimizer.state)))
         (temporary / STATE_FILE).write_text(json.dumps({"step": self.step, "config": asdict(self.config)}, indent=2))
-        old = self.output / (CHECKPOINT_DIR + ".old")
+        old = self.state_folder / (CHECKPOINT_DIR + ".old")
         if final.exists():
             final.rename(old)
         temporary.rename(final)
@@ -460,7 +489,10 @@ class Trainer:
             _remove_tree(old)
 
     def load_checkpoint(self) -> bool:
-        folder = self.output / CHECKPOINT_DIR
+        """Resume from the checkpoint in the training state folder, if there
+        is one (False when there is none); a checkpoint saved with other
+        settings is refused."""
+        folder = self.checkpoint_folder
         if not (folder / STATE_FILE).exists():
             return False
         state = json.loads((folder / STATE_FILE).read_text())
@@ -478,8 +510,12 @@ class Trainer:
         return True
 
     def export(self, extra_config: Optional[dict] = None) -> None:
-        """Write the final drafter into the output folder."""
+        """Write the final drafter into the output folder, with its model
+        card (made from ``extra_config``: the base model, the training
+        settings, data and results). A datastore already in the folder
+        stays, and the card describes it."""
         save_drafter(self.drafter, str(self.output), extra_config)
+        (self.output / MODEL_CARD_FILE).write_text(model_card(self.output))
 
 
 def _remove_tree(path: Path) -> None:
@@ -520,19 +556,26 @@ def train_drafter(data: list, output: str, config: TrainConfig, model: Optional[
                   resumed: Optional[Callable[[int], None]] = None) -> dict:
     """``redrafter-mlx train``: train a drafter for ``model`` (None: the
     embedded one; it must be the model the data was distilled from) on the
-    data folders ``data`` into the folder ``output``, resuming from its
-    checkpoint (``resumed(step)`` is told); returns the last evaluation."""
+    data folders ``data``; the finished drafter goes to the folder
+    ``output`` and the training state to ``output``.train/ (see the module's
+    docstring), from whose checkpoint a run resumes (``resumed(step)`` is
+    told); returns the last evaluation."""
     from ..engine.base_model import BaseModel
-    from ..loading.loader import load_base_model
+    from ..loading.loader import load_base_model, model_identity
 
-    out = Path(output)
-    if out.exists() and any(out.iterdir()) and not (out / CHECKPOINT_DIR).exists():
-        raise UserError(f"output folder {output} exists and holds no training checkpoint to resume")
+    out, state = Path(output), training_state_folder(output)
+    if out.exists() and not out.is_dir():
+        raise UserError(f"output {output} is a file, not a folder")
+    check_training_state_folder(state)
+    if (out / CHECKPOINT_DIR).is_dir():
+        move_old_training_state(out, state)
+    if out.exists() and any(out.iterdir()) and not (state / CHECKPOINT_DIR).is_dir():
+        raise UserError(f"output folder {output} exists and {state} holds no training checkpoint to resume; use a new output folder")
     folders = data_folders(data)
     for folder in folders:
         if folder.meta is None:
             raise UserError(f"{folder.path} is not a distillation data folder (run `redrafter-mlx distill` first)")
-    base_model, _ = load_base_model(model, dtype)
+    base_model, tokenizer = load_base_model(model, dtype)
     base = BaseModel(base_model)
     metas = [folder.check_model(base.vocab_size, base.hidden_size) for folder in folders]
     parts = [folder.load() for folder in folders]
@@ -541,16 +584,223 @@ def train_drafter(data: list, output: str, config: TrainConfig, model: Optional[
     sequences = Sequences.concatenate(parts)
     positions = build_positions(sequences, config.depth, config.eval_fraction)
     vocab = build_draft_vocab(sequences, config.draft_vocab) if config.draft_vocab else None
-    out.mkdir(parents=True, exist_ok=True)
+    state.mkdir(parents=True, exist_ok=True)
     trainer = Trainer(base, positions, hidden, config, output, vocab)
     if trainer.load_checkpoint() and resumed is not None:
         resumed(trainer.step)
     started = time.time()
-    with open(out / "train_log.jsonl", "a") as log:
+    with open(state / LOG_FILE, "a") as log:
         result = train(trainer, log=lambda record: log.write(json.dumps(record) + "\n"))
-    trainer.export(
-        {"training": dict(asdict(config), data=list(data), sequences=len(sequences), positions=int((~positions.held_out).sum()),
-                          distill_settings=[{k: meta.get(k) for k in ("max_tokens", "temp", "num_prompts")} for meta in metas],
-                          seconds_this_run=round(time.time() - started), **result)}
-    )
+    if not result:  # resumed at the last step: nothing trained, measure again for the card
+        result = trainer.evaluate()
+    trainer.export({
+        "base_model": base_model_entry(model, model_identity(base, tokenizer)),
+        "training": dict(asdict(config), data=list(data), sequences=len(sequences), positions=int((~positions.held_out).sum()),
+                         distill_settings=[{k: meta.get(k) for k in ("max_tokens", "temp", "num_prompts")} for meta in metas],
+                         data_sizes=[{"sequences": len(part), "generated_tokens": int(cached_positions(part).sum())} for part in parts],
+                         seconds_this_run=round(time.time() - started), **result),
+    })
     return result
+
+
+# -- the output folder and its model card -------------------------------------
+
+
+def training_state_folder(output) -> Path:
+    """Where a run's checkpoint and log go: ``OUTPUT.train/``, the sibling
+    of the drafter folder ``OUTPUT`` (a trailing "/", "." and ".." are
+    resolved first, so that it is never inside it)."""
+    out = Path(os.path.abspath(output))
+    if not out.name:
+        raise UserError(f"the output folder cannot be {output}")
+    return out.with_name(out.name + STATE_SUFFIX)
+
+
+def check_training_state_folder(state: Path) -> None:
+    """Refuse a ``OUTPUT.train`` that holds anything but training state
+    (say, a folder of the user's that happens to have that name)."""
+    if not state.exists():
+        return
+    if not state.is_dir():
+        raise UserError(f"{state} (where training keeps its checkpoint) is a file; move it away")
+    foreign = sorted(p.name for p in state.iterdir() if p.name not in STATE_NAMES)
+    if foreign:
+        raise UserError(f"{state} (where training keeps its checkpoint) holds other files ({', '.join(foreign[:3])}); use another output folder")
+
+
+def move_old_training_state(output: Path, state: Path) -> None:
+    """Resume a run begun when the checkpoint and log lived inside the
+    drafter folder: move them to the training state folder (a rename, on
+    the same file system), leaving the drafter folder to the drafter."""
+    if (state / CHECKPOINT_DIR).exists():
+        raise UserError(f"both {output / CHECKPOINT_DIR} (an older layout) and {state / CHECKPOINT_DIR} exist; remove the one not to resume")
+    state.mkdir(parents=True, exist_ok=True)
+    for name in sorted(STATE_NAMES - {LOG_FILE}):
+        if (output / name).exists():
+            (output / name).rename(state / name)
+    old_log, new_log = output / LOG_FILE, state / LOG_FILE
+    if old_log.exists():  # the older records first, before any this layout wrote
+        new_log.write_text(old_log.read_text() + (new_log.read_text() if new_log.exists() else ""))
+        old_log.unlink()
+    print(f"note: moved the training checkpoint and log from {output} to {state}; {output} now holds only the drafter", file=sys.stderr)
+
+
+def base_model_entry(model: Optional[str], identity: str) -> dict:
+    """``config.json``'s ``base_model``: a name, the identity the loader
+    computes for the model (``loading.loader.model_identity``), and, when
+    the model was given as one, its Hub id; ``default`` for the embedded
+    default model (no ``--model``)."""
+    if model is None:
+        return {"name": DEFAULT_MODEL_NAME, "identity": identity, "default": True}
+    if is_hub_id(model):
+        return {"name": model, "identity": identity, "hub_id": model}
+    return {"name": Path(os.path.abspath(model)).name, "identity": identity}
+
+
+def datastore_summary(folder) -> str:
+    """The model card's description of the folder's datastore: tokens and
+    answers (the file holds one boundary after each answer) and size."""
+    path = Path(folder) / DATASTORE_FILE
+    if not path.is_file():
+        return f"none (`redrafter-mlx datastore --drafter FOLDER --data DATA` adds `{DATASTORE_FILE}`)"
+    try:
+        tokens = np.load(path, mmap_mode="r", allow_pickle=False)
+    except (OSError, ValueError) as e:
+        raise UserError(f"cannot read {path}: {e}") from None
+    answers = int((tokens == (BOUNDARY16 if tokens.dtype == np.uint16 else -1)).sum())
+    return f"`{DATASTORE_FILE}`, {tokens.size - answers:,} tokens of {answers:,} answers ({path.stat().st_size / 1e6:.1f} MB)"
+
+
+DATASTORE_ROW = "| datastore |"  # the card's table row that datastore_summary fills
+
+
+def refresh_card_datastore(folder) -> bool:
+    """Rewrite the datastore row of the folder's model card (the generated
+    one, or any card with a ``| datastore | ... |`` row, as the shipped
+    drafter's has), leaving the rest as it is; False when it has none."""
+    card = Path(folder) / MODEL_CARD_FILE
+    if not card.is_file():
+        return False
+    lines = card.read_text().split("\n")
+    rows = [i for i, line in enumerate(lines) if line.startswith(DATASTORE_ROW)]
+    for i in rows:
+        lines[i] = f"{DATASTORE_ROW} {datastore_summary(folder)} |"
+    if rows:
+        card.write_text("\n".join(lines))
+    return bool(rows)
+
+
+SAFETENSORS_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+
+
+def _weights_summary(path: Path) -> tuple[int, list[str]]:
+    """(parameters, their dtypes) of a drafter's safetensors file, read from
+    its header alone: an 8-byte little-endian length, then JSON giving each
+    tensor's dtype and shape. The draft vocabulary's token ids are not
+    parameters."""
+    with open(path, "rb") as f:
+        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    tensors = [v for k, v in header.items() if k not in ("__metadata__", "draft_token_ids")]
+    dtypes = sorted({SAFETENSORS_DTYPES.get(v["dtype"], v["dtype"].lower()) for v in tensors})
+    return sum(math.prod(v["shape"]) for v in tensors), dtypes
+
+
+def _table(rows: list) -> str:
+    return "\n".join(["| setting | value |", "|---|---|"] + [f"| {name} | {value} |" for name, value in rows])
+
+
+def model_card(folder) -> str:
+    """The model card (``README.md``) of a drafter folder, made from its
+    ``config.json`` (the base model's name and identity, the training
+    settings, data and held-out results that ``train`` puts there) and its
+    files. The YAML front matter is what the Hugging Face Hub reads:
+    library, tags and, when the base model was given as a Hub id, the base
+    model, which links the drafter to it."""
+    folder = Path(folder)
+    config = read_config(folder / CONFIG_FILE)
+    args = DrafterArgs.from_dict(config)
+    base = config.get("base_model") if isinstance(config.get("base_model"), dict) else {}
+    training = config.get("training") if isinstance(config.get("training"), dict) else {}
+    name = base.get("name", "its base model")
+    front = ["---", "library_name: redrafter-mlx", "tags:", "- redrafter", "- speculative-decoding", "- mlx"]
+    if base.get("hub_id"):
+        front.append(f"base_model: {base['hub_id']}")
+    front.append("---")
+    model_option = f"--model {base['hub_id']} " if base.get("hub_id") else "" if base.get("default") else "--model MODEL "
+    parameters, dtypes = _weights_summary(folder / WEIGHTS_FILE)
+    size = (folder / WEIGHTS_FILE).stat().st_size / 1e6
+    out = front + [
+        "",
+        f"# ReDrafter drafter for {name}",
+        "",
+        f"A [ReDrafter](https://arxiv.org/abs/2403.09919) drafter for `{name}`, made by `redrafter-mlx train` from the",
+        "model's own answers: a small recurrent network over the model's last hidden state drafts the next tokens,",
+        "and the model checks them all in one step, so what is generated is the model's own output, only sooner.",
+        "",
+        "## Use",
+        "",
+        "```bash",
+        f"redrafter-mlx generate {model_option}--drafter OWNER/NAME --prompt \"Hello\"",
+        "```",
+        "",
+        "`--drafter` takes the Hub id this folder was uploaded to (downloaded once into the Hugging Face cache) or",
+        "the folder itself."
+        + (" `MODEL` is the base model, from any folder, Hub id or GGUF file that holds it." if model_option == "--model MODEL " else ""),
+        "The drafter fits only its base model: `config.json` names the model's identity (`base_model.identity`, a",
+        "digest of its shapes, vocabulary and first embeddings, the same however the model is stored), and the",
+        "drafter's sizes must match the model's.",
+        "",
+        "## Base model",
+        "",
+        _table([("model", f"`{name}`" + (" (the default model of redrafter-mlx)" if base.get("default") else "")),
+                ("identity", f"`{base['identity']}`" if base.get("identity") else "not recorded"),
+                ("hidden size", args.hidden_size), ("vocabulary", f"{args.vocab_size:,} tokens")]),
+        "",
+        "## Drafter",
+        "",
+        _table([("`exit_dim`", args.exit_dim), ("residual blocks", args.num_draft_layers), ("RNN", "on" if args.rnn else "off"),
+                ("draft vocabulary", f"the {args.draft_vocab_size:,} most frequent generated tokens" + (", most frequent first" if args.sorted_draft_vocab else "")
+                 if args.draft_vocab_size else "the whole vocabulary"),
+                ("parameters", f"{parameters / 1e6:.2f} M, {' and '.join(dtypes)} ({size:.1f} MB)"),
+                ("datastore", datastore_summary(folder))]),
+    ]
+    if training:
+        out += ["", *_training_section(training)]
+    out += [
+        "",
+        "## Files",
+        "",
+        f"`{CONFIG_FILE}` (the drafter's shape, its base model, the training settings), `{WEIGHTS_FILE}`,",
+        f"`{DATASTORE_FILE}` when there is a datastore, and this card. The folder is the whole drafter: upload it as",
+        f"it is (the training checkpoint and log are kept beside it, in `{folder.name}{STATE_SUFFIX}/`, and are not needed):",
+        "",
+        "```bash",
+        f"hf upload OWNER/NAME {folder.name}",
+        "```",
+        "",
+    ]
+    return "\n".join(out)
+
+
+def _training_section(training: dict) -> list:
+    """The card's data and training sections, from config.json's ``training``."""
+    data, sizes, distilled = training.get("data", []), training.get("data_sizes", []), training.get("distill_settings", [])
+    rows = ["| folder | sequences | generated tokens | max tokens | temperature | prompts |", "|---|---|---|---|---|---|"]
+    for i, path in enumerate(data):
+        size = sizes[i] if i < len(sizes) else {}
+        meta = distilled[i] if i < len(distilled) else {}
+        cells = [size.get("sequences"), size.get("generated_tokens"), meta.get("max_tokens"), meta.get("temp"), meta.get("num_prompts")]
+        rows.append(f"| `{path}` | " + " | ".join("" if c is None else f"{c:,}" if isinstance(c, int) else str(c) for c in cells) + " |")
+    fraction = training.get("eval_fraction", 0)
+    held = f"the answers to 1 prompt in {max(int(round(1 / fraction)), 2)} (by its index) are held out of training" if fraction > 0 else "no prompts are held out"
+    settings = [(f"`{key}`", training[key]) for key in asdict(TrainConfig()) if key in training]
+    steps, batch, positions = training.get("steps"), training.get("batch_size"), training.get("positions")
+    section = ["## Data", "", f"The base model's own answers (`redrafter-mlx distill`), {training.get('sequences', 0):,} sequences; {held}.",
+               "", *rows, "", "## Training", "", _table(settings), ""]
+    if steps and batch and positions:
+        section.append(f"{steps:,} steps of {batch:,} positions: {steps * batch / positions:.2f} epochs of {positions:,} training positions"
+                       + (f"; {training['seconds_this_run']:,} s in the last run." if "seconds_this_run" in training else "."))
+    if "eval_accuracy" in training:
+        accuracy = " ".join(f"{a:.3f}" for a in training["eval_accuracy"])
+        section += ["", f"Held out: loss {training.get('eval_loss')}; top-1 accuracy at depths 1-{len(training['eval_accuracy'])}: {accuracy}."]
+    return section

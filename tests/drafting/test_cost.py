@@ -5,7 +5,12 @@ import json
 from conftest import tiny_redrafter
 
 from redrafter_mlx.drafting.cost import SIZES, cache_path
-from redrafter_mlx.engine.calibrate import cost_curve
+from redrafter_mlx.engine.calibrate import cost_curve as measured_curve
+from redrafter_mlx.engine.decoder import fixed_costs
+
+
+def cost_curve(*args, **kwargs):
+    return measured_curve(*args, step_costs=fixed_costs, **kwargs)
 
 
 def test_the_curve_is_measured_once_cached_and_rebuilt_when_corrupt(tmp_path, monkeypatch, capsys):
@@ -15,12 +20,14 @@ def test_the_curve_is_measured_once_cached_and_rebuilt_when_corrupt(tmp_path, mo
     curve = cost_curve(redrafter, 2, (4, 5))
     assert curve.sizes == list(SIZES) and len(curve.seconds) == len(SIZES)
     assert all(b >= a > 0 for a, b in zip(curve.seconds, curve.seconds[1:]))
-    assert curve.draft_seconds > 0
+    assert curve.draft_seconds > 0 and curve.step_seconds >= 0 and curve.plain_seconds > 0
+    assert capsys.readouterr().err.startswith("measuring this machine's verification cost")  # announced
     saved = json.loads(cache_path().read_text())
     assert len(saved) == 2  # the curve, and the beam search's cost for this drafter and shape
 
     again = cost_curve(redrafter, 2, (4, 5))
-    assert again.seconds == curve.seconds and again.draft_seconds == curve.draft_seconds  # from the cache
+    assert again == curve  # from the cache, steps' costs included
+    assert capsys.readouterr().err == ""
     assert len(json.loads(cache_path().read_text())) == 2
     cost_curve(redrafter, 1, (4, 5))
     assert len(json.loads(cache_path().read_text())) == 4  # another batch size is another curve
@@ -31,7 +38,7 @@ def test_the_curve_is_measured_once_cached_and_rebuilt_when_corrupt(tmp_path, mo
     assert len(rebuilt.seconds) == len(SIZES) and len(json.loads(cache_path().read_text())) == 2
 
     key = next(k for k in json.loads(cache_path().read_text()) if "drafter" not in k)
-    cache_path().write_text(json.dumps({key: {"sizes": [1, 2], "seconds": "fast"}}))
+    cache_path().write_text(json.dumps({key: {"sizes": [1, 2], "seconds": "fast", "step_seconds": 0, "plain_seconds": 1}}))
     cost_curve(redrafter, 2, (4, 5))
     assert "bad entry" in capsys.readouterr().err
 

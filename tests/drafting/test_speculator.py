@@ -8,7 +8,7 @@ from conftest import tiny_drafter
 from redrafter_mlx.drafting.budget import AcceptanceStats
 from redrafter_mlx.drafting.cost import CostCurve
 from redrafter_mlx.drafting.settings import DraftSettings
-from redrafter_mlx.drafting.speculator import WINDOW, Speculator
+from redrafter_mlx.drafting.speculator import PLAIN_STEPS, WINDOW, Speculator
 
 
 def beams_for(root, drafted, probs):
@@ -30,7 +30,7 @@ def test_rnn_and_lookup_drafts_share_one_tree():
     beams, probs = beams_for(6, [[7, 8, 9], [1, 2, 3]], 0.5)
     (tree,) = speculator.trees([0], [6], beams, probs)
     # lookup proposes 7 8 5 (after the earlier 5 6), sharing "7 8" with the first beam.
-    assert tree.tokens == [6, 7, 8, 9, 1, 2, 3, 5]
+    assert sorted(tree.tokens) == sorted([6, 7, 8, 9, 1, 2, 3, 5]) and tree.tokens[:3] == [6, 7, 8]
     assert {k[0] for k, _ in tree.judged[1]} == {"rnn", "lookup2"}
 
 
@@ -41,34 +41,58 @@ def test_fixed_budget_keeps_the_most_likely_nodes():
     assert tree.tokens == [2, 7, 1]  # the two depth-1 nodes beat the deeper ones
 
 
-def run_steps(speculator, root, beams, probs, cost, accepted, steps=20):
+def run_steps(speculator, root, beams, probs, cost, accepted, steps=20, searched=None):
     """Steps whose trees all accept ``accepted`` drafted tokens (the first
     nodes after the root, whatever they hold). Returns the modes the steps
-    ran in."""
+    ran in; ``searched`` (a list) is told, per step, whether the RNN's
+    beams were there."""
     modes = []
     for _ in range(steps):
-        modes.append(speculator.mode)
         with_rnn = speculator.use_rnn()
-        trees = speculator.trees([0], [root], *((beams, probs) if with_rnn else (None, None)), cost=cost)
-        n = min(accepted, trees[0].num_nodes - 1)
-        speculator.observe(trees, np.arange(n + 1)[None], np.array([n]))
+        if searched is not None:
+            searched.append(with_rnn)
+        plan = speculator.plan([0], [root], *((beams, probs) if with_rnn else (None, None)), cost=cost)
+        modes.append(plan.mode)
+        if plan.trees is not None:
+            n = min(accepted, plan.trees[0].num_nodes - 1)
+            speculator.observe(plan.trees, np.arange(n + 1)[None], np.array([n]))
     return modes
 
 
 def test_the_rnn_is_turned_off_when_its_search_costs_more_than_it_brings_and_retried():
-    flat = CostCurve([1, 32], [1.0, 1.0], draft_seconds=5.0)
+    """The beams could pay (two drafted tokens accepted in 2.5 s beat one in
+    1 s), but the lookup's drafts alone bring as much without the search."""
+    flat = CostCurve([1, 32], [1.0, 1.0], draft_seconds=1.5)
     context = [3, 4, 3, 4, 3]
     speculator = tracking(DraftSettings(beam_width=1, beam_length=3), True, [context])
     beams, probs = beams_for(3, [[9, 9]], 0.9)
-    run_steps(speculator, 3, beams, probs, flat, accepted=2)
+    assert run_steps(speculator, 3, beams, probs, flat, accepted=2)[-1] == "lookup"
     assert not speculator.rnn_on
-    later = run_steps(speculator, 3, beams, probs, flat, accepted=2, steps=32)
-    assert 1 <= later.count("rnn") <= 3  # retried now and then
+    searched = []
+    run_steps(speculator, 3, beams, probs, flat, accepted=2, steps=32, searched=searched)
+    assert 1 <= searched.count(True) <= 3  # retried now and then
 
     cheap = CostCurve([1, 32], [1.0, 1.0], draft_seconds=0.0)
     speculator = tracking(DraftSettings(beam_width=1, beam_length=3), True, [[1, 2]])
     run_steps(speculator, 2, beams, probs, cheap, accepted=2)
     assert speculator.rnn_on and speculator.use_rnn()
+
+
+def test_a_search_that_can_never_pay_is_never_run():
+    """A pass so cheap that the search alone costs more than a whole tree
+    accepted could bring: the RNN never runs, from the first step on; and
+    where no drafting can pay at all, the run is plain throughout."""
+    costly = CostCurve([1, 32], [1.0, 1.0], draft_seconds=50.0)
+    speculator = tracking(DraftSettings(beam_width=4, beam_length=5), True, [[3, 4, 3, 4, 3]])
+    searched = []
+    run_steps(speculator, 3, *beams_for(3, [[9, 9, 9, 9]] * 4, 0.9), costly, accepted=2, steps=40, searched=searched)
+    assert not any(searched[1:]) and not speculator.has_drafter  # (the first step's beams came with the prefill)
+    hopeless = CostCurve([1, 32], [1.0, 1.0], step_seconds=40.0, plain_seconds=1.0)
+    speculator = tracking(DraftSettings(), False, [[3, 4, 3, 4, 3] * 10])
+    modes = run_steps(speculator, 3, None, None, hopeless, accepted=16, steps=300)
+    assert set(modes) == {"plain"} and speculator.never
+    plans = [speculator.plan([0], [3], None, None, cost=hopeless) for _ in range(3)]
+    assert all(p.ahead for p in plans)  # pipelined throughout
 
 
 def test_the_rnn_is_turned_off_when_its_drafts_are_accepted_less_than_estimated():
@@ -81,7 +105,10 @@ def test_the_rnn_is_turned_off_when_its_drafts_are_accepted_less_than_estimated(
     beams, probs = beams_for(3, [[9, 9]], 0.9)
     for _ in range(20):
         with_rnn = speculator.use_rnn()
-        (tree,) = speculator.trees([0], [3], *((beams, probs) if with_rnn else (None, None)), cost=cost)
+        plan = speculator.plan([0], [3], *((beams, probs) if with_rnn else (None, None)), cost=cost)
+        if plan.trees is None:
+            continue
+        (tree,) = plan.trees
         accepted = [i for i, t in enumerate(tree.tokens) if i and t == 4][:1]  # the lookup's 4, never the RNN's 9
         speculator.observe([tree], np.array([[0] + accepted]), np.array([len(accepted)]))
     assert not speculator.rnn_on
@@ -89,20 +116,26 @@ def test_the_rnn_is_turned_off_when_its_drafts_are_accepted_less_than_estimated(
 
 
 @pytest.mark.parametrize("estimates", ["high", "honest"])
-def test_a_run_whose_drafts_are_not_accepted_turns_to_plain_decoding_and_tries_again(estimates):
-    """Nothing drafted is accepted: whether the estimates fall or stay high (a source whose prior claims
-    certainty), within a window of steps the run decodes plainly, and
-    tries drafting again now and then."""
+def test_a_run_whose_drafts_are_not_accepted_turns_to_plain_decoding_and_retries_less_and_less(estimates):
+    """Nothing drafted is accepted: whether the estimates fall or stay high
+    (a source whose prior claims certainty), within a window of steps the
+    run decodes plainly; it tries drafting again after 16 plain steps, then
+    after twice as many each time a retry does not gain."""
     cost = CostCurve([1, 2, 32], [1.0, 1.05, 2.0])
     speculator = tracking(DraftSettings(), False, [[5, 6, 7, 5, 6, 7, 5, 6]])
     if estimates == "high":
         speculator.stats.priors = {("lookup2", d, "greedy"): (1.0, 1e9) for d in range(1, 20)}
-    modes = run_steps(speculator, 6, None, None, cost, accepted=0, steps=200)
+    modes, intervals = [], []
+    for _ in range(40):
+        modes += run_steps(speculator, 6, None, None, cost, accepted=0, steps=10)
+        if not intervals or intervals[-1] != speculator.interval:
+            intervals.append(speculator.interval)
     first_plain = modes.index("plain")
     assert first_plain <= WINDOW
-    assert modes[100:].count("plain") >= 70 and "lookup" in modes[100:]
-    (tree,) = speculator.trees([0], [6], None, None, cost=cost, plain=True)
-    assert tree.num_nodes == 1
+    assert intervals[:4] == [PLAIN_STEPS, 2 * PLAIN_STEPS, 4 * PLAIN_STEPS, 8 * PLAIN_STEPS]
+    assert modes[first_plain:].count("plain") > 0.95 * len(modes[first_plain:])
+    plan = speculator.plan([0], [6], None, None, cost=cost, ahead=True)
+    assert plan.mode == "plain" and plan.trees is None
 
 
 def test_a_run_starts_from_what_earlier_runs_accepted():
@@ -116,12 +149,12 @@ def test_a_run_starts_from_what_earlier_runs_accepted():
     run_steps(Speculator(DraftSettings(beam_width=1, beam_length=3, lookup=False, max_nodes=2), True, history), 3, beams, probs, None, accepted=0)
     assert history.predicted[("rnn", 1, "greedy")] > 0 and history.accepted[("rnn", 1, "greedy")] == 0
 
-    def first_tree(history):
+    def first_plan(history):
         speculator = Speculator(DraftSettings(beam_width=1, beam_length=3, lookup=False), True, history)
-        return speculator.trees([0], [3], beams, probs, cost=cost)[0]
+        return speculator.plan([0], [3], beams, probs, cost=cost)
 
-    assert first_tree(None).num_nodes > 1
-    assert first_tree(history).num_nodes == 1
+    assert first_plan(None).trees[0].num_nodes > 1
+    assert first_plan(history).mode == "plain"
 
 
 def test_without_a_drafter_only_lookup_drafts():
@@ -144,6 +177,6 @@ def test_lookup_drafts_its_own_length_whatever_the_beams(lookup_length):
 def test_later_vocab_applies_only_to_a_sorted_draft_vocabulary():
     drafter = tiny_drafter(draft_vocab=32)
     settings = DraftSettings(beam_width=3, beam_length=4, later_vocab=8)
-    assert settings.search_shape(drafter) == (3, 4, None, True)  # rows in no known order: all are searched
+    assert settings.search_shape(drafter) == (3, 4, None, True, None)  # rows in no known order: all are searched
     drafter.args.sorted_draft_vocab = True
-    assert settings.search_shape(drafter) == (3, 4, 8, True)
+    assert settings.search_shape(drafter) == (3, 4, 8, True, 2048)

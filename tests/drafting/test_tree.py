@@ -3,7 +3,7 @@ the device arrays verification reads."""
 
 import numpy as np
 
-from redrafter_mlx.drafting.tree import NO_TOKEN, Draft, beam_drafts, candidate_tree, most_likely_nodes, pack, prune
+from redrafter_mlx.drafting.tree import NO_TOKEN, Draft, beam_drafts, candidate_tree, most_likely_nodes, most_likely_path, pack, prune
 
 # Mars=1 is=2 a=3 red=4 reddish=5 when=6 dark=7
 MARS = [[2, 3, 4], [2, 5, 6], [2, 7, 4]]
@@ -70,7 +70,7 @@ def test_a_partial_beam_ends_at_its_first_padding_token_and_can_outrank_a_final_
     assert [d.tokens for d in beam_list] == [[2, 3, 4], [2, 5]]
     assert beam_list[1].keys == [("rnn", 1), ("rnn", 2)] and beam_list[1].predicted == [0.6, 0.5]
     tree = prune(candidate_tree(1, beam_list), 3)
-    assert tree.tokens == [1, 2, 3, 5]
+    assert tree.tokens == [1, 2, 5, 3]  # depth first, the most likely child first
 
 
 def test_batches_pad_rows_of_different_sizes():
@@ -86,3 +86,16 @@ def test_batches_pad_rows_of_different_sizes():
     assert beams[2, 0].tolist() == [5, NO_TOKEN, NO_TOKEN, NO_TOKEN]
     mask = np.array(packed.mask)
     assert mask[1, :, :].tolist()[2] == [False, False, True, False, False, False, False, False]  # padding sees itself
+
+
+def test_the_most_likely_path_comes_first_so_that_its_commit_moves_nothing():
+    """Pruned nodes are in depth-first order, the most likely child first:
+    the most likely path is nodes 0, 1, 2, ...; every node still comes after
+    its parent."""
+    drafts = [Draft([5, 6, 7], [("rnn", d) for d in (1, 2, 3)], [0.5, 0.5, 0.5], [0.5] * 3),
+              Draft([8, 9], [("lookup", d) for d in (1, 2)], [0.9, 0.9], [0.9] * 2),
+              Draft([8, 4], [("rnn", d) for d in (1, 2)], [0.9, 0.2], [0.9, 0.2])]
+    tree = prune(candidate_tree(1, drafts), 5)
+    assert tree.tokens[:3] == [1, 8, 9]
+    assert all(tree.parents[i] < i for i in range(1, tree.num_nodes))
+    assert most_likely_path(tree).tokens == tree.tokens[:3]

@@ -50,7 +50,7 @@ def test_greedy_parity_with_later_tokens_from_a_short_vocabulary(base_and_refere
     searched = []
     search = Decoder._search
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(Decoder, "_search", lambda self, h, t: searched.append(search(self, h, t)) or searched[-1])
+        patch.setattr(Decoder, "_search", lambda self, h, t, length=0: searched.append(search(self, h, t, length)) or searched[-1])
         (tokens,), _ = run(redrafter, [prompt], max_tokens=NUM_TOKENS, beam_width=3, beam_length=4, later_vocab=6)
     assert tokens == reference[:NUM_TOKENS]
     short = set(np.array(drafter.draft_token_ids[:6]).tolist())

@@ -46,8 +46,8 @@ def other_choice(self, logits, history):
     choices, logprobs = choose(self, logits, history)
     return (choices + 1) % logits.shape[-1], logprobs
 
-def other_search(self, hidden, first_tokens):
-    beams, probs = search(self, hidden, first_tokens)
+def other_search(self, hidden, first_tokens, length=0):
+    beams, probs = search(self, hidden, first_tokens, length)
     beams, probs = (beams + 1) % 256, probs * 0.5
     return (beams[:, 1:], probs[:, 1:]) if next(calls) % 2 else (beams, probs)
 
@@ -178,7 +178,7 @@ def counted(*args, **kwargs):
 calibrate.measure = counted
 if distributed.launched() and distributed.os.environ["MLX_RANK"] == "0":
     calibrate.DriftCheck.drifted = lambda self: True
-ranks = distributed.join("pipeline") if distributed.launched() else None
+ranks = distributed.join("pipeline") if distributed.launched() else distributed.ONE_PROCESS
 redrafter, _ = load(sys.argv[1], sys.argv[2], ranks=ranks)
 decoder, tokens = Decoder(redrafter, DraftSettings()), []
 for prompt in json.loads(sys.argv[3]):
@@ -187,8 +187,7 @@ for prompt in json.loads(sys.argv[3]):
         tokens += [t for out in outputs for t in out.tokens]
         outputs = decoder.step()
 print(json.dumps({"curves": len(measured), "tokens": tokens}))
-if ranks is not None:
-    ranks.end()
+ranks.end()
 """
 
 

@@ -42,8 +42,8 @@ def test_a_batch_counts_once_by_the_median_of_its_repeats_and_keeps_its_step_cou
 def test_configurations_differ_only_where_their_names_say():
     auto, lookup, rnn, both = parse_configs("auto, lookup, rnn:4x5, both:2x3")
     assert auto.draft == lookup.draft == DraftSettings()  # lookup runs the defaults without a drafter
-    assert rnn.draft == DraftSettings(4, 5, max_nodes=16, lookup=False, datastore_beams=0, later_vocab=None, partial_beams=False)
-    assert both.draft == DraftSettings(2, 3, max_nodes=6, lookup=True, lookup_length=2, datastore_beams=0, later_vocab=None, partial_beams=False)
+    assert rnn.draft == DraftSettings(4, 5, max_nodes=16, lookup=False, datastore_beams=0, later_vocab=None, partial_beams=False, first_vocab=None)
+    assert both.draft == DraftSettings(2, 3, max_nodes=6, lookup=True, lookup_length=2, datastore_beams=0, later_vocab=None, partial_beams=False, first_vocab=None)
     for retired in ("final", "nostore", "lookuplen:4"):
         with pytest.raises(UserError, match="unknown bench configuration"):
             parse_configs(retired)

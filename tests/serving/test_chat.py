@@ -129,3 +129,42 @@ def test_chat_samples_with_the_models_recommendation_else_local_chat_defaults(ch
     given = chat_sampling(redrafter.generation_config, temp=1.0, top_p=None, seed=3)
     assert (given.temp, given.top_p, given.top_k, given.seed) == (1.0, 0.95, 20, 3)
     assert chat_sampling({"do_sample": False, "temperature": 0.6}).temp == 0.0  # the model recommends greedy decoding
+
+
+def scripted(lines):
+    lines = iter(lines)
+
+    def read(_):
+        try:
+            return next(lines)
+        except StopIteration:
+            raise EOFError from None
+
+    return read, lines
+
+
+@pytest.mark.parametrize("leave", ["exit", "quit", "/quit", "  Exit  "])
+def test_commands_and_typos_never_reach_the_model(leave):
+    """/help answers, any other line starting with / is an unknown command,
+    and exit or quit alone on a line leaves: none of them is a message (the
+    engine is never called: it is None here)."""
+    from redrafter_mlx.serving.chat import HELP, chat_loop
+
+    read, rest = scripted(["/help", "/bogus now", "/Reset", leave, "never read"])
+    shown = []
+    chat_loop(None, None, 3, read=read, write=lambda *a, **k: shown.append(" ".join(map(str, a))))
+    assert f"[{HELP}]" in shown
+    assert "[unknown command /bogus; /help lists the commands]" in shown
+    assert "[unknown command /Reset; /help lists the commands]" in shown
+    assert list(rest) == ["never read"]
+
+
+def test_an_answer_cut_by_max_tokens_is_marked(chat_model):
+    from redrafter_mlx.loading.loader import load
+    from redrafter_mlx.serving.chat import chat_loop
+
+    redrafter, tokenizer = load(chat_model[0], chat_model[1])
+    read, _ = scripted(["w1 w2"])
+    shown = []
+    chat_loop(redrafter, tokenizer, 3, read=read, write=lambda *a, **k: shown.append("".join(map(str, a))), dim=lambda t: f"<{t}>")
+    assert "< [stopped at --max-tokens 3]>" in shown

@@ -16,7 +16,7 @@ CONVERSATION = [{"role": "system", "content": "be brief"}, {"role": "user", "con
     "content, message",
     [
         ("", "holds no prompts"),
-        ('{"prompt": "a"}\nnot json\n', "line 2: not valid JSON"),
+        ('{"prompt": "a"}\nnot json\n', "line 2, column 1: not valid JSON"),
         ('{"text": "a"}\n', 'line 1: needs a "prompt" string'),
         ('["a"]\n', 'line 1: needs a "prompt" string'),
         ('{"messages": []}\n', 'line 1: needs a "prompt" string, a "messages" list'),
@@ -63,7 +63,7 @@ def test_a_line_cut_short_costs_only_itself(tmp_path):
     log.close()
     lines = path.read_text().splitlines()
     assert lines == ['{"prompt": "a"}', '{"prompt": "cut sh', '{"prompt": "b"}']
-    with pytest.raises(UserError, match="line 2: not valid JSON"):
+    with pytest.raises(UserError, match="line 2, column 12: not valid JSON"):
         read_prompts(str(path))
 
 

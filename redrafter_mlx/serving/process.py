@@ -1,0 +1,64 @@
+"""The serving process around the server: its listening socket, and a
+SIGTERM before the server is up (while the model loads or the cost curves
+are measured) ending it as cleanly as one while it serves."""
+
+import contextlib
+import ipaddress
+import os
+import signal
+import socket
+import sys
+
+from ..errors import UserError
+
+
+class Stopped(Exception):
+    """A SIGTERM arrived before the server took over its handling."""
+
+
+def is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port, or one clear error (a port in use, an
+    address this machine does not have, a port outside 1-65535)."""
+    if not 1 <= port <= 65535:
+        raise UserError(f"port must be in 1-65535, got {port}")
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError as e:
+        raise UserError(f"cannot listen on {host}:{port} ({e.strerror or e})") from None
+    return sock
+
+
+@contextlib.contextmanager
+def stopped_by_sigterm(announce=lambda line: print(line, file=sys.stderr)):
+    """Within: a SIGTERM raises ``Stopped``, which ends the block with one
+    line on ``announce`` and exit status 0, as a SIGTERM to a running server
+    does (the server installs its own handler once it serves, and restores
+    this one after)."""
+
+    def on_sigterm(signum, frame):
+        raise Stopped
+
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        yield
+    except Stopped:
+        announce("stopped (SIGTERM) before serving")
+        # The engine thread may be measuring the cost curve: MLX work in
+        # flight cannot be interrupted, and finalising the interpreter under
+        # it aborts the process. Nothing is left to save (a prompt log
+        # flushes every line), so the process ends here.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
