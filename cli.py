@@ -513,6 +513,33 @@ def train(
     print(f"drafter written to {output}: {json.dumps(result)}")
 
 
+@app.command("make-drafter")
+def make_drafter(
+    output: Annotated[str, typer.Option("--output", "-o", help="drafter folder to make; its work (plan, data, checkpoints) goes to OUTPUT.make/, and a run resumes from it")],
+    prompts: Annotated[Optional[str], typer.Option(metavar="FILE", help="JSONL prompts file (a prompt log too); a chat model writes its own when none is given")] = None,
+    hours: Annotated[float, typer.Option(min=0.01, help="time to spend on this machine, all stages together; sizes come from it")] = 6.0,
+    held_out: Annotated[Optional[int], typer.Option(min=1, help="prompts held out of training, to measure the drafter on", show_default="5 %, at most 48")] = None,
+    max_prompts: Annotated[Optional[int], typer.Option(min=2, help="prompts to distil, instead of what --hours allows")] = None,
+    steps: Annotated[Optional[int], typer.Option(min=1, help="training steps, instead of what --hours allows")] = None,
+    max_tokens: max_tokens_option("most answer tokens per distilled prompt") = 256,
+    measure_prompts: Annotated[Optional[int], typer.Option(min=1, help="held-out prompts the final measurement runs on", show_default="12")] = None,
+    workers: Annotated[int, typer.Option(min=1, help="distilling processes, each with one BLAS thread: 2 on a 2-core CPU, 1 on a GPU")] = 1,
+    seed: Annotated[int, typer.Option(help="the split's, the sampling's and training's seed")] = 0,
+    model: Model = None, dtype: Dtype = None,
+):
+    """Make a drafter for a model: prompts, distillation, training, datastore and the measured speed, in resumable stages.
+
+    Run it again to resume: the plan written by the first run (sizes, seeds,
+    the held-out split) is read back, and finished stages are skipped."""
+    from redrafter_mlx.training.make_drafter import make_drafter as make
+
+    figures = make(output, model, prompts=prompts, hours=hours, held_out=held_out, max_prompts=max_prompts, steps=steps, max_tokens=max_tokens,
+                   measure_prompts=measure_prompts, seed=seed, dtype=dtype, workers=workers,
+                   command=" ".join([PROG, *sys.argv[1:]]) if sys.argv[1:2] == ["make-drafter"] else None,
+                   say=lambda line: print(line, file=sys.stderr, flush=True))
+    print(f"drafter written to {output}: {json.dumps(figures)}")
+
+
 @app.command()
 def datastore(
     data: Annotated[list[str], typer.Option(help="distillation data folder of the drafter's model; repeat for several")],

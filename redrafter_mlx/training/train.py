@@ -766,6 +766,8 @@ def model_card(folder) -> str:
     ]
     if training:
         out += ["", *_training_section(training)]
+    if isinstance(config.get("made"), dict):
+        out += ["", *_made_section(config["made"])]
     out += [
         "",
         "## Files",
@@ -780,6 +782,33 @@ def model_card(folder) -> str:
         "",
     ]
     return "\n".join(out)
+
+
+def _made_section(made: dict) -> list:
+    """The card's account of ``redrafter-mlx make-drafter``'s run: the
+    command, its data, its stages' times and the held-out speed."""
+    runs = ", ".join(f"{r['count']:,} prompts at temperature {r['temp']:g} (up to {r['max_tokens']} tokens)" for r in made.get("runs", []))
+    minutes = made.get("stage_minutes", {})
+    out = ["## How it was made", "", "```bash", made.get("command", "redrafter-mlx make-drafter"), "```", "",
+           _table([("model kind", "chat (its chat template applied)" if made.get("kind") == "chat" else "text (continues plain text)"),
+                   ("prompts", f"`{made.get('prompts')}`: {made.get('train_prompts', 0):,} for training, {made.get('held_out_prompts', 0):,} held out"),
+                   ("distillation", runs),
+                   ("time", f"{sum(minutes.values()) / 60:.2f} hours in all (" + ", ".join(f"{k} {v:.0f} min" for k, v in minutes.items())
+                    + f"), {made.get('cpu_hours', 0):.1f} CPU hours")])]
+    speed = made.get("held_out_speed") or {}
+    rows = []
+    for key, configs in speed.items():
+        if not isinstance(configs, dict):
+            continue
+        for name, s in configs.items():
+            label = "this drafter (defaults)" if name == "auto" else "context lookup alone"
+            rows.append(f"| {key} | {label} | {s['speedup_median']:.2f}x ({s['speedup_min']:.2f}-{s['speedup_max']:.2f}) | "
+                        f"{s['tokens_per_step']:.2f} | {s['nodes_per_step']:.1f} |")
+    if rows:
+        out += ["", f"Speed against plain decoding on the {speed.get('prompts', 0)} held-out prompts, {speed.get('max_tokens', 0)} new tokens, "
+                "batch 1, alternating in one process (the median over prompts, min-max):", "",
+                "| sampling | drafting | speed-up | tokens per step | nodes per step |", "|---|---|---|---|---|", *rows]
+    return out
 
 
 def _training_section(training: dict) -> list:
