@@ -525,6 +525,7 @@ def make_drafter(
     measure_prompts: Annotated[Optional[int], typer.Option(min=1, help="held-out prompts the final measurement runs on", show_default="12")] = None,
     workers: Annotated[int, typer.Option(min=1, help="distilling processes, each with one BLAS thread: 2 on a 2-core CPU, 1 on a GPU")] = 1,
     seed: Annotated[int, typer.Option(help="the split's, the sampling's and training's seed")] = 0,
+    plan: Annotated[Optional[str], typer.Option(metavar="FILE", help="a plan written by hand (its own prompts files, runs and settings) instead of one made for --hours")] = None,
     model: Model = None, dtype: Dtype = None,
 ):
     """Make a drafter for a model: prompts, distillation, training, datastore and the measured speed, in resumable stages.
@@ -534,7 +535,7 @@ def make_drafter(
     from redrafter_mlx.training.make_drafter import make_drafter as make
 
     figures = make(output, model, prompts=prompts, hours=hours, held_out=held_out, max_prompts=max_prompts, steps=steps, max_tokens=max_tokens,
-                   measure_prompts=measure_prompts, seed=seed, dtype=dtype, workers=workers,
+                   measure_prompts=measure_prompts, seed=seed, dtype=dtype_of(dtype), workers=workers, plan_file=plan,
                    command=" ".join([PROG, *sys.argv[1:]]) if sys.argv[1:2] == ["make-drafter"] else None,
                    say=lambda line: print(line, file=sys.stderr, flush=True))
     print(f"drafter written to {output}: {json.dumps(figures)}")

@@ -1,83 +1,58 @@
 #!/usr/bin/env bash
 # How the shipped drafter (v4) for SmolLM2-135M-Instruct is made and measured,
-# on a 2-core Linux CPU (float32, OpenBLAS). Every step resumes when rerun.
+# on a 2-core Linux CPU (float32, OpenBLAS): one `redrafter-mlx make-drafter`
+# run with a plan written by hand, the recipe v4 was made with. Every stage
+# resumes when rerun (the work stays in runs/smollm2-135m-drafter-v4.make/).
+#
+# The plan's runs, in the order they are distilled:
+#   greedy answers to the 4,224 shortest prompts of train.jsonl (training),
+#   and to all of them (the datastore); answers at temperature 0.7 to its
+#   2,048 shortest (seed 1), and eight each to the open-ended self-instruct
+#   seed tasks the trainer does not hold out (seed 2); greedy answers to
+#   256 + 768 + 1,536 user turns the model writes itself (seeds 0, 1, 2);
+#   for the datastore only, greedy answers to train-chat.jsonl and to 1,536
+#   more self-written turns (seed 3). Training: warm start from the model's
+#   head (kept frozen), the hidden-state loss, one residual block, 12,288
+#   draft tokens, 2,800 steps of 512 positions. The speed is measured on the
+#   48 held-out requests at temperatures 0 and 0.7.
+#
+# Then the drafter is copied where the package ships it.
 
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PROMPTS=data/prompts
-DATA=data/distill-smollm2-135m
-RUN=runs/smollm2-135m-drafter-v4-self-2800
+RUN=runs/smollm2-135m-drafter-v4
 SHIPPED=redrafter_mlx/drafters/smollm2-135m-instruct
+mkdir -p runs
 
-# 1. The base model's answers to task prompts (train.jsonl): greedy (~140
-#    min), sampled at temperature 0.7 (stopped after the 2,048 shortest
-#    prompts: rerun to extend it), and eight samples of each open-ended seed
-#    task, leaving out the 8 whose greedy answers the trainer holds out.
-redrafter-mlx distill --prompts $PROMPTS/train.jsonl --output $DATA --batch-size 64 --max-tokens 256
-redrafter-mlx distill --prompts $PROMPTS/train.jsonl --output $DATA-t0.7 --batch-size 64 --max-tokens 256 --temp 0.7 --seed 1
 python3 - <<PY
 import json
 rows = [json.loads(line) for line in open("$PROMPTS/train.jsonl")]
-with open("data/prompts-self-instruct-seed.jsonl", "w") as f:
+with open("runs/prompts-self-instruct-seed.jsonl", "w") as f:
     for i, row in enumerate(rows):
         if row["source"] == "self-instruct-seed" and i % 50 != 0:
             f.write(json.dumps(row) + "\n")
-PY
-redrafter-mlx distill --prompts data/prompts-self-instruct-seed.jsonl --output $DATA-seed-t0.7 --batch-size 64 --max-tokens 256 \
-    --temp 0.7 --seed 2 --samples 8
-#    The greedy folder without its 5 last shards (the 1,269 longest prompts,
-#    nearly all P3 documents: 36 % of its prefill for 22 % of its positions).
-mkdir -p $DATA-short
-ln -sf ../distill-smollm2-135m/meta.json $DATA-short/meta.json
-for I in $(seq -w 0 20); do ln -sf ../distill-smollm2-135m/shard-000$I.npz $DATA-short/shard-000$I.npz; done
-
-# 2. Open-ended prompts the model writes itself (--self-prompts), answered
-#    greedily: 256 + 768 + 1,536 prompts (~50 min in all).
-redrafter-mlx distill --self-prompts 256 --output data/self-smollm2-135m --batch-size 64 --max-tokens 128 --workers 2
-redrafter-mlx distill --self-prompts 768 --seed 1 --output data/self-smollm2-135m-s1 --batch-size 64 --max-tokens 256 --workers 2
-redrafter-mlx distill --self-prompts 1536 --seed 2 --output data/self-smollm2-135m-s2 --batch-size 64 --max-tokens 256 --workers 2
-
-# 3. Train (~65 min): warm start from the base model's head (kept frozen),
-#    the hidden-state loss, one residual block, 12,288 draft tokens.
-redrafter-mlx train --data $DATA-short --data $DATA-t0.7 --data $DATA-seed-t0.7 --data data/self-smollm2-135m \
-    --data data/self-smollm2-135m-s1 --data data/self-smollm2-135m-s2 --output $RUN --steps 2800 --batch-size 512 \
-    --learning-rate 2e-3 --warmup 100 --exit-dim 576 --warm-start --freeze-head-steps 2800 --hidden-loss 1 \
-    --num-draft-layers 1 --draft-vocab 12288 --eval-every 700 --save-every 200
-
-# 4. Ship it in float16, naming the base model it was made for.
-python3 - <<PY
-import redrafter_mlx  # first: it loads OpenBLAS before mlx.core
-import mlx.core as mx
-from pathlib import Path
-from redrafter_mlx.drafting.drafter import load_drafter, read_config, save_drafter
-redrafter, _ = redrafter_mlx.load(drafter="none")
-drafter = load_drafter("$RUN")
-drafter.set_dtype(mx.float16)  # floating arrays only: token ids stay int32
-config = read_config(Path("$RUN") / "config.json")
-save_drafter(drafter, "$SHIPPED", {
-    "base_model": {"name": "SmolLM2-135M-Instruct", "identity": redrafter.identity},
-    "training": config.get("training", {}),
-})
+steps = 2800
+plan = {
+    "runs": [
+        {"name": "greedy-short", "prompts": "$PROMPTS/train.jsonl", "shortest": 4224, "temp": 0.0, "seed": 0, "max_tokens": 256, "train_only": True},
+        {"name": "greedy", "prompts": "$PROMPTS/train.jsonl", "temp": 0.0, "seed": 0, "max_tokens": 256, "datastore_only": True},
+        {"name": "t0.7", "prompts": "$PROMPTS/train.jsonl", "shortest": 2048, "temp": 0.7, "seed": 1, "max_tokens": 256},
+        {"name": "seed-t0.7", "prompts": "runs/prompts-self-instruct-seed.jsonl", "temp": 0.7, "seed": 2, "samples": 8, "max_tokens": 256},
+        {"name": "self", "self_prompts": 256, "temp": 0.0, "seed": 0, "max_tokens": 128},
+        {"name": "self-s1", "self_prompts": 768, "temp": 0.0, "seed": 1, "max_tokens": 256},
+        {"name": "self-s2", "self_prompts": 1536, "temp": 0.0, "seed": 2, "max_tokens": 256},
+        {"name": "chat", "prompts": "$PROMPTS/train-chat.jsonl", "temp": 0.0, "seed": 0, "max_tokens": 256, "datastore_only": True},
+        {"name": "self-s3", "self_prompts": 1536, "temp": 0.0, "seed": 3, "max_tokens": 256, "datastore_only": True},
+    ],
+    "train": {"steps": steps, "batch_size": 512, "learning_rate": 2e-3, "warmup": 100, "exit_dim": 576, "warm_start": True,
+              "freeze_head_steps": steps, "hidden_loss": 1.0, "num_draft_layers": 1, "draft_vocab": 12288, "eval_every": 700,
+              "save_every": 200, "seed": 0},
+    "measure": {"prompts_file": "$PROMPTS/heldout.jsonl", "prompts": 48, "max_tokens": 256, "temps": [0.0, 0.7]},
+}
+json.dump(plan, open("runs/smollm2-135m-drafter-v4.plan.json", "w"), indent=1)
 PY
 
-# 4b. Its datastore: the answers in every training data folder
-#    made for this model (train-chat.jsonl's and a fourth self-prompts folder
-#    included), prompts the trainer holds out left out.
-redrafter-mlx distill --prompts $PROMPTS/train-chat.jsonl --output $DATA-chat --batch-size 64 --max-tokens 256 --workers 2
-redrafter-mlx distill --self-prompts 1536 --seed 3 --output data/self-smollm2-135m-s3 --batch-size 64 --max-tokens 256 --workers 2
-redrafter-mlx datastore --drafter $SHIPPED --data $DATA --data $DATA-t0.7 --data $DATA-seed-t0.7 --data $DATA-chat \
-    --data data/self-smollm2-135m --data data/self-smollm2-135m-s1 --data data/self-smollm2-135m-s2 --data data/self-smollm2-135m-s3
+redrafter-mlx make-drafter --plan runs/smollm2-135m-drafter-v4.plan.json --output $RUN --workers 2
 
-# 5. Greedy tokens per step and teacher-forced accuracy on all 352 dev
-#    prompts, 256 new tokens, replayed on the base model's greedy answers
-#    (made once, for evaluation only: never trained on), each shape alone and
-#    with one context-lookup continuation; then per prompt source.
-redrafter-mlx distill --prompts $PROMPTS/dev.jsonl --output data/eval-dev-smollm2-135m --batch-size 64 --max-tokens 256
-python3 bench/replay_acceptance.py --drafter $SHIPPED --data data/eval-dev-smollm2-135m --all --shapes 1x5,2x5,4x5,8x5 \
-    --lookup > bench/results/drafter/replay-dev-greedy-v4.jsonl
-python3 bench/replay_by_source.py $SHIPPED > bench/results/drafter/replay-dev-by-source-v4.jsonl
-
-# 6. The default generate settings against plain decoding, alternating per
-#    prompt, on every 5th dev prompt (64), 256 new tokens, greedy.
-redrafter-mlx bench --prompts $PROMPTS/dev.jsonl --every 5 --num-prompts 64 --max-tokens 256 --configs auto --calibrate \
-    --json bench/results/speed/bench-v4-auto-batch1-dev64.json
+rm -rf "$SHIPPED" && cp -r "$RUN" "$SHIPPED"

@@ -116,9 +116,10 @@ class Stages:
 
 
 def measure_rates(base, tokenizer, texts: list, chat: bool, exit_dim: int, draft_vocab: int, seconds: float = 20.0) -> dict:
-    """This machine's distillation rate (generated tokens a second, at a
-    batch of 16) and training rate (seconds a step of ``BATCH`` positions),
-    each from a short run."""
+    """This machine's distillation rate (generated tokens a second, at
+    distillation's batch of 64, in one process, after the prefill) and
+    training rate (seconds a step of ``BATCH`` positions), each from a
+    short run."""
     import mlx.core as mx
     import mlx.nn as nn
     import mlx.optimizers as optim
@@ -129,11 +130,15 @@ def measure_rates(base, tokenizer, texts: list, chat: bool, exit_dim: int, draft
     from ..serving.api import encode_prompt
     from .train import drafter_loss
 
-    prompts = [encode_prompt(tokenizer, t, chat_template=chat) for t in texts[:16]]
+    prompts = [encode_prompt(tokenizer, t, chat_template=chat) for t in (texts * 64)[:64]]
+    for _ in autoregressive_steps(base, prompts[:2], max_tokens=4):  # warm-up: kernels, allocations
+        pass
+    steps = autoregressive_steps(base, prompts, max_tokens=1024)
+    next(steps)  # the prefill, which distillation pays once per prompt, not per token
     tic, tokens = time.perf_counter(), 0
-    for step in autoregressive_steps(base, prompts, max_tokens=32):
+    for step in steps:
         tokens += sum(len(out.tokens) for out in step)
-        if time.perf_counter() - tic > seconds / 2:
+        if time.perf_counter() - tic > seconds / 2 or not step:
             break
     distill_rate = tokens / (time.perf_counter() - tic)
 
@@ -251,9 +256,39 @@ def make_plan(model: Optional[str], dtype: Optional[str], output: str, prompts: 
     return plan
 
 
-def load_or_make_plan(output: str, model: Optional[str], say=print, **options) -> dict:
-    """The work folder's plan, or a new one written there; a plan made for
-    another model is refused."""
+def explicit_plan(path: str, model: Optional[str], dtype: Optional[str]) -> dict:
+    """A plan written by hand (``--plan FILE``), for a recipe the automatic
+    plan does not make: its ``runs`` name their own prompts files (``prompts``,
+    with ``limit`` or ``shortest``: the first or the shortest N), or
+    ``self_prompts``, with ``temp``, ``seed``, ``samples`` and
+    ``max_tokens``; a run marked ``datastore_only`` feeds the datastore
+    alone, one marked ``train_only`` training alone; ``train`` holds ``TrainConfig``'s fields; ``measure`` the
+    held-out ``prompts_file``, how many of its ``prompts``, ``max_tokens``
+    and ``temps``. ``bench/train_default_drafter.sh`` writes one."""
+    from ..loading.loader import load_base_model
+
+    try:
+        plan = json.loads(Path(path).read_text())
+        runs, train, measure = plan["runs"], plan["train"], plan["measure"]
+        for run in runs:
+            if not {"name", "temp", "seed", "max_tokens"} <= set(run) or not (run.get("prompts") or run.get("self_prompts")):
+                raise ValueError(f"run {run.get('name')!r} needs name, temp, seed, max_tokens, and prompts or self_prompts")
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise UserError(f"cannot read the plan {path}: {e}") from None
+    _, tokenizer = load_base_model(model, dtype)
+    for run in runs:
+        if run.get("prompts"):
+            run["prompts"] = os.path.abspath(run["prompts"])
+    measure["prompts_file"] = os.path.abspath(measure["prompts_file"])
+    plan.update(version=1, model=model or "default", kind="chat" if tokenizer.has_chat_template else "text", dtype=dtype,
+                prompts=None, self_prompts=None, hours=None, seed=plan.get("seed", 0), runs=runs, train=train, measure=measure,
+                stages=[{"name": r["name"], "seconds": 0.0} for r in runs] + [{"name": n, "seconds": 0.0} for n in ("train", "datastore", "compact", "measure")])
+    return plan
+
+
+def load_or_make_plan(output: str, model: Optional[str], say=print, plan_file: Optional[str] = None, **options) -> dict:
+    """The work folder's plan, or a new one written there (``plan_file``'s,
+    else made for the hours); a plan made for another model is refused."""
     work = work_folder(output)
     path = work / PLAN_FILE
     if path.exists():
@@ -268,7 +303,10 @@ def load_or_make_plan(output: str, model: Optional[str], say=print, **options) -
     out = Path(output)
     if out.exists() and any(out.iterdir()):
         raise UserError(f"output folder {output} exists and is not empty, and {work} holds no plan to resume; use a new --output")
-    plan = make_plan(model, options.pop("dtype", None), output, options.pop("prompts", None), options.pop("hours"), say=say, **options)
+    if plan_file is not None:
+        plan = explicit_plan(plan_file, model, options.get("dtype"))
+    else:
+        plan = make_plan(model, options.pop("dtype", None), output, options.pop("prompts", None), options.pop("hours"), say=say, **options)
     work.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{PLAN_FILE}.tmp")
     tmp.write_text(json.dumps(plan, indent=1) + "\n")
@@ -294,7 +332,28 @@ def write_prompt_split(plan: dict, work: Path) -> None:
     write(HELD_OUT_PROMPTS, plan["held_out_prompts"])
     write(TRAIN_PROMPTS, plan["train_prompts"])
     for run in plan["runs"]:
-        write(f"{run['name']}.jsonl", plan["train_prompts"][run["first"] : run["first"] + run["count"]])
+        if "first" in run:
+            write(f"{run['name']}.jsonl", plan["train_prompts"][run["first"] : run["first"] + run["count"]])
+
+
+def run_prompts(run: dict, work: Path, tokenizer=None) -> str:
+    """The prompts file a distillation run answers: its own (the ``shortest``
+    N of it, by tokens, written into the work folder), or its share of the
+    plan's split."""
+    if not run.get("prompts"):
+        return str(work / f"{run['name']}.jsonl")
+    if not run.get("shortest"):
+        return run["prompts"]
+    from ..serving.api import encode_prompt
+    from ..serving.prompts import read_prompts
+
+    path = work / f"{run['name']}.jsonl"
+    if not path.exists():
+        texts = read_prompts(run["prompts"])
+        order = sorted(range(len(texts)), key=lambda i: (len(encode_prompt(tokenizer, texts[i])), i))[: run["shortest"]]
+        lines = [json.dumps({"prompt": texts[i]} if isinstance(texts[i], str) else {"messages": texts[i]}) for i in sorted(order)]
+        path.write_text("\n".join(lines) + "\n")
+    return str(path)
 
 
 def make_drafter(output: str, model: Optional[str] = None, *, say=print, workers: int = 1, **options) -> dict:
@@ -315,7 +374,7 @@ def make_drafter(output: str, model: Optional[str] = None, *, say=print, workers
     estimates = {s["name"]: s["seconds"] for s in plan["stages"]}
     dtype = plan.get("dtype")
     model = None if plan["model"] == "default" else plan["model"]
-    if plan.get("self_prompts"):
+    if plan.get("self_prompts") and plan.get("train_prompts") is not None:
         def write_self():
             from ..engine.base_model import BaseModel
             from ..loading.loader import load_base_model
@@ -325,18 +384,29 @@ def make_drafter(output: str, model: Optional[str] = None, *, say=print, workers
             write_self_prompts(BaseModel(base_model), tokenizer.decode, user_turn(tokenizer), plan["self_prompts"], work / "self-prompts.jsonl",
                                seed=plan["seed"])
         stages.run("self-prompts", estimates["self-prompts"], write_self)
-    write_prompt_split(plan, work)
-    folders = []
+    if plan.get("train_prompts") is not None:
+        write_prompt_split(plan, work)
+    folders, stored = [], []  # data folders training reads; those the datastore reads
     for run in plan["runs"]:
         folder = work / run["name"]
-        folders.append(str(folder))
+        if not run.get("train_only"):
+            stored.append(str(folder))
+        if not run.get("datastore_only"):
+            folders.append(str(folder))
 
         def distil(run=run, folder=folder):
-            sampling = SamplingSettings(temp=run["temp"], seed=run["seed"])
-            totals = distill_command(str(folder), model, dtype, sampling, prompts=str(work / f"{run['name']}.jsonl"),
-                                     max_tokens=run["max_tokens"], batch_size=64, workers=workers)
+            from ..loading.loader import load_base_model
+
+            sampling = SamplingSettings(temp=run["temp"], seed=run["seed"], top_p=run.get("top_p", 1.0))
+            if run.get("self_prompts"):
+                source = dict(self_prompts=run["self_prompts"])
+            else:
+                tokenizer = load_base_model(model, dtype)[1] if run.get("shortest") else None
+                source = dict(prompts=run_prompts(run, work, tokenizer), limit=run.get("limit"))
+            totals = distill_command(str(folder), model, dtype, sampling, **source, max_tokens=run["max_tokens"], batch_size=run.get("batch_size", 64),
+                                     samples=run.get("samples", 1), workers=workers)
             return {"responses": totals["responses"], "tokens": totals["new_tokens"]}
-        stages.run(run["name"], estimates[run["name"]], distil)
+        stages.run(run["name"], estimates.get(run["name"], 0.0), distil)
     config = TrainConfig(**{k: v for k, v in plan["train"].items() if k in TrainConfig.__dataclass_fields__})
 
     def train():
@@ -349,7 +419,7 @@ def make_drafter(output: str, model: Optional[str] = None, *, say=print, workers
         result = train_drafter(folders, output, config, model, dtype, resumed=lambda step: say(f"resuming training from step {step}"))
         return {"held_out": {k: v for k, v in result.items() if k != "step"}}
     stages.run("train", estimates["train"], train)
-    stages.run("datastore", estimates["datastore"], lambda: dict(zip(("path", "tokens", "answers"), map(str, add_datastore(output, folders)))))
+    stages.run("datastore", estimates["datastore"], lambda: dict(zip(("path", "tokens", "answers"), map(str, add_datastore(output, stored)))))
 
     def compact():
         drafter = load_drafter(output)
@@ -361,7 +431,7 @@ def make_drafter(output: str, model: Optional[str] = None, *, say=print, workers
     stages.run("compact", estimates["compact"], compact)
 
     def measure():
-        return measure_speed(output, model, dtype, work / HELD_OUT_PROMPTS, plan, say)
+        return measure_speed(output, model, dtype, Path(plan["measure"].get("prompts_file") or work / HELD_OUT_PROMPTS), plan, say)
     figures = stages.run("measure", estimates["measure"], measure)
     record_in_card(output, plan, stages.done, command)
     (Path(output) / MODEL_CARD_FILE).write_text(model_card(output))
@@ -378,7 +448,7 @@ def measure_speed(output: str, model: Optional[str], dtype: Optional[str], held_
     from ..serving.api import encode_prompt
     from ..serving.prompts import read_prompts
 
-    redrafter, tokenizer = load(model, output, dtype="auto" if dtype is None else dtype)
+    redrafter, tokenizer = load(model, output, dtype=dtype)
     chat = plan["kind"] == "chat"
     prompts = [encode_prompt(tokenizer, t, chat_template=chat) for t in read_prompts(str(held_out))][: plan["measure"]["prompts"]]
     curve = benchmark.calibration(redrafter, 1)
@@ -408,10 +478,12 @@ def record_in_card(output: str, plan: dict, done: dict, command: Optional[str]) 
     config["made"] = {
         "command": command or "redrafter-mlx make-drafter",
         "kind": plan["kind"],
-        "prompts": plan["prompts"] or f"{plan['self_prompts']} prompts the model wrote itself",
-        "train_prompts": len(plan["train_prompts"]),
-        "held_out_prompts": len(plan["held_out_prompts"]),
-        "runs": [{k: r[k] for k in ("name", "temp", "count", "max_tokens")} for r in plan["runs"]],
+        "prompts": plan["prompts"] or (f"{plan['self_prompts']} prompts the model wrote itself" if plan.get("self_prompts")
+                                       else "the plan's own prompts files"),
+        "train_prompts": len(plan.get("train_prompts") or []),
+        "held_out_prompts": len(plan.get("held_out_prompts") or []) or plan["measure"]["prompts"],
+        "runs": [{"name": r["name"], "temp": r["temp"], "count": r.get("count") or r.get("shortest") or r.get("limit") or r.get("self_prompts") or "all",
+                  "max_tokens": r["max_tokens"], **({"prompts": r["prompts"]} if r.get("prompts") else {})} for r in plan["runs"]],
         "hours_asked": plan["hours"],
         "stage_minutes": {name: round(result.get("seconds", 0) / 60, 1) for name, result in done.items()},
         "cpu_hours": round(sum(result.get("seconds", 0) for result in done.values()) / 3600 * (os.cpu_count() or 1), 2),

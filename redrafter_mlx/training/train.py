@@ -787,7 +787,12 @@ def model_card(folder) -> str:
 def _made_section(made: dict) -> list:
     """The card's account of ``redrafter-mlx make-drafter``'s run: the
     command, its data, its stages' times and the held-out speed."""
-    runs = ", ".join(f"{r['count']:,} prompts at temperature {r['temp']:g} (up to {r['max_tokens']} tokens)" for r in made.get("runs", []))
+    def run(r: dict) -> str:
+        count = f"{r['count']:,}" if isinstance(r.get("count"), int) else "all"
+        source = f" of `{Path(r['prompts']).name}`" if r.get("prompts") else ""
+        return f"{count} prompts{source} at temperature {r['temp']:g} (up to {r['max_tokens']} tokens)"
+
+    runs = "; ".join(run(r) for r in made.get("runs", []))
     minutes = made.get("stage_minutes", {})
     out = ["## How it was made", "", "```bash", made.get("command", "redrafter-mlx make-drafter"), "```", "",
            _table([("model kind", "chat (its chat template applied)" if made.get("kind") == "chat" else "text (continues plain text)"),

@@ -3,8 +3,9 @@
 import numpy as np
 import pytest
 
-from redrafter_mlx.serving.api import encode_prompt
+from redrafter_mlx.engine.calibrate import cost_curve as measured_cost_curve  # (tests fix the curve: this is the real one)
 from redrafter_mlx.errors import UserError
+from redrafter_mlx.serving.api import encode_prompt
 
 
 @pytest.fixture(scope="module")
@@ -46,3 +47,47 @@ def test_without_a_template_a_message_is_plain_text_and_a_conversation_an_error(
     assert encode_prompt(NoTemplate(), "abc de") == [3, 2]
     with pytest.raises(UserError, match="a conversation needs a chat template"):
         encode_prompt(NoTemplate(), [{"role": "user", "content": "abc"}])
+
+
+def test_the_cost_curve_is_measured_before_the_clock_and_once_per_machine(chat_model, tmp_path, monkeypatch):
+    """The first answer on a machine measures the cost curve, before its
+    generation clock starts; the next answers read it from the cache (a
+    normal run does not find it drifting)."""
+    import time
+
+    from redrafter_mlx.engine import calibrate
+    from redrafter_mlx.loading.loader import load
+    from redrafter_mlx.serving.api import stream_generate
+
+    monkeypatch.setenv("REDRAFTER_MLX_CACHE", str(tmp_path))
+    measured = []
+    measure = calibrate.measure
+
+    def slow_measure(*args, **kwargs):
+        measured.append(1)
+        time.sleep(2.0)
+        return measure(*args, **kwargs)
+
+    monkeypatch.setattr(calibrate, "measure", slow_measure)
+    monkeypatch.setattr(calibrate, "cost_curve", measured_cost_curve)
+    redrafter, tokenizer = load(chat_model[0], chat_model[1])
+    for answer in range(3):
+        tic = time.perf_counter()
+        last = None
+        for last in stream_generate(redrafter, tokenizer, "w1 w2", max_tokens=48):
+            pass
+        spent = time.perf_counter() - tic
+        assert last.generation_tokens / last.generation_tps < spent - (2.0 if answer == 0 else 0.0) + 0.5
+    assert len(measured) == 1
+
+
+def test_the_readme_quickstart_shows_what_batch_generate_returns():
+    import os
+    import re
+
+    from conftest import ROOT
+
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    block = re.search(r"## Quickstart.*?```python\n(.*?)```", readme, re.S).group(1)
+    assert "results = redrafter_mlx.batch_generate(" in block
+    assert re.search(r"for result in results:\n\s+print\(result\.text\)", block)

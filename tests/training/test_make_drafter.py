@@ -82,3 +82,27 @@ def test_sizes_come_from_the_model():
     assert draft_vocab_size(49152) == 12288 and draft_vocab_size(262144) == 16384 and draft_vocab_size(1000) == 1000
     train, held = split_prompts(100, 5, seed=0)
     assert len(held) == 5 and sorted(train + held) == list(range(100)) and split_prompts(100, 5, seed=0) == (train, held)
+
+
+def test_a_plan_written_by_hand_runs_its_own_prompts_files(chat_model, tmp_path):
+    """``--plan FILE``, as ``bench/train_default_drafter.sh`` gives the
+    shipped drafter's recipe: runs with prompts files of their own (the
+    shortest N, the first N), one feeding the datastore alone."""
+    prompts = prompts_file(tmp_path / "prompts.jsonl")
+    plan = {
+        "runs": [{"name": "greedy", "prompts": str(prompts), "shortest": 8, "temp": 0.0, "seed": 0, "max_tokens": 10},
+                 {"name": "extra", "prompts": str(prompts), "limit": 5, "temp": 0.7, "seed": 1, "max_tokens": 10, "datastore_only": True}],
+        "train": {"steps": 4, "batch_size": 16, "exit_dim": 64, "warm_start": True, "freeze_head_steps": 4, "draft_vocab": 64, "eval_every": 4},
+        "measure": {"prompts_file": str(prompts), "prompts": 1, "max_tokens": 8, "temps": [0.0]},
+    }
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    result = run_cli("make-drafter", "--model", chat_model[0], "--plan", tmp_path / "plan.json", "--output", tmp_path / "d",
+                     env={"REDRAFTER_MLX_CACHE": str(tmp_path / "cache")})
+    assert result.returncode == 0, result.stderr
+    work = work_folder(str(tmp_path / "d"))
+    assert len((work / "greedy.jsonl").read_text().splitlines()) == 8
+    config = json.loads((tmp_path / "d" / "config.json").read_text())
+    assert config["training"]["data"] == [str(work / "greedy")] and config["draft_vocab_size"] == 64
+    done = json.loads((work / "done.json").read_text())
+    assert int(done["datastore"]["answers"]) > 8  # the extra run's answers too
+    assert "`prompts.jsonl`" in (tmp_path / "d" / "README.md").read_text()
