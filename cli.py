@@ -446,6 +446,8 @@ def bench(
     texts = (read_prompts(prompts) if prompts else benchmark.DEFAULT_PROMPTS)[::every][:num_prompts]
     ranks = join_ranks(split)
     redrafter, tokenizer = load_pair(model, drafter, dtype, ranks)
+    if redrafter.drafter is None and any(c.name.startswith(("rnn", "both")) for c in chosen):
+        raise Usage("the rnn and both configurations need a drafter")
     used = dict(model=model or "default", drafter=drafter or "default", prompts=prompts or "built-in", every=every,
                 max_tokens=max_tokens, temp=temp or 0.0, top_p=top_p or 1.0, seed=seed or 0, batch_size=batch_size, repeats=repeats)
     benchmark.bench_command(redrafter, tokenizer, texts, chosen, make_chooser(sampling), used, ranks=ranks, refresh=calibrate,
@@ -515,7 +517,7 @@ def train(
 
 @app.command("make-drafter")
 def make_drafter(
-    output: Annotated[str, typer.Option("--output", "-o", help="drafter folder to make; its work (plan, data, checkpoints) goes to OUTPUT.make/, and a run resumes from it")],
+    output: Annotated[str, typer.Option("--output", "-o", help="drafter folder to make; its work goes beside it (plan and data in OUTPUT.make/, training's checkpoint in OUTPUT.train/), and a run resumes from it")],
     prompts: Annotated[Optional[str], typer.Option(metavar="FILE", help="JSONL prompts file (a prompt log too); a chat model writes its own when none is given")] = None,
     hours: Annotated[float, typer.Option(min=0.01, help="time to spend on this machine, all stages together; sizes come from it")] = 6.0,
     held_out: Annotated[Optional[int], typer.Option(min=1, help="prompts held out of training, to measure the drafter on", show_default="5 %, at most 48")] = None,
@@ -532,11 +534,15 @@ def make_drafter(
 
     Run it again to resume: the plan written by the first run (sizes, seeds,
     the held-out split) is read back, and finished stages are skipped."""
+    import shlex
+
     from redrafter_mlx.training.make_drafter import make_drafter as make
 
+    if plan is not None and any(v is not None for v in (prompts, held_out, max_prompts, steps, measure_prompts)):
+        raise Usage("--plan gives the prompts and sizes itself: it does not go with --prompts, --held-out, --max-prompts, --steps or --measure-prompts")
     figures = make(output, model, prompts=prompts, hours=hours, held_out=held_out, max_prompts=max_prompts, steps=steps, max_tokens=max_tokens,
                    measure_prompts=measure_prompts, seed=seed, dtype=dtype_of(dtype), workers=workers, plan_file=plan,
-                   command=" ".join([PROG, *sys.argv[1:]]) if sys.argv[1:2] == ["make-drafter"] else None,
+                   command=shlex.join([PROG, *sys.argv[1:]]) if sys.argv[1:2] == ["make-drafter"] else None,
                    say=lambda line: print(line, file=sys.stderr, flush=True))
     print(f"drafter written to {output}: {json.dumps(figures)}")
 

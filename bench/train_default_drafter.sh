@@ -10,7 +10,8 @@
 #   2,048 shortest (seed 1), and eight each to the open-ended self-instruct
 #   seed tasks the trainer does not hold out (seed 2); greedy answers to
 #   256 + 768 + 1,536 user turns the model writes itself (seeds 0, 1, 2);
-#   for the datastore only, greedy answers to train-chat.jsonl and to 1,536
+#   for the datastore only, greedy answers to the 5,376 shortest prompts of
+#   train-chat.jsonl and to 1,536
 #   more self-written turns (seed 3). Training: warm start from the model's
 #   head (kept frozen), the hidden-state loss, one residual block, 12,288
 #   draft tokens, 2,800 steps of 512 positions. The speed is measured on the
@@ -42,7 +43,7 @@ plan = {
         {"name": "self", "self_prompts": 256, "temp": 0.0, "seed": 0, "max_tokens": 128},
         {"name": "self-s1", "self_prompts": 768, "temp": 0.0, "seed": 1, "max_tokens": 256},
         {"name": "self-s2", "self_prompts": 1536, "temp": 0.0, "seed": 2, "max_tokens": 256},
-        {"name": "chat", "prompts": "$PROMPTS/train-chat.jsonl", "temp": 0.0, "seed": 0, "max_tokens": 256, "datastore_only": True},
+        {"name": "chat", "prompts": "$PROMPTS/train-chat.jsonl", "shortest": 5376, "temp": 0.0, "seed": 0, "max_tokens": 256, "datastore_only": True},
         {"name": "self-s3", "self_prompts": 1536, "temp": 0.0, "seed": 3, "max_tokens": 256, "datastore_only": True},
     ],
     "train": {"steps": steps, "batch_size": 512, "learning_rate": 2e-3, "warmup": 100, "exit_dim": 576, "warm_start": True,
@@ -56,3 +57,13 @@ PY
 redrafter-mlx make-drafter --plan runs/smollm2-135m-drafter-v4.plan.json --output $RUN --workers 2
 
 rm -rf "$SHIPPED" && cp -r "$RUN" "$SHIPPED"
+
+# Greedy tokens per step and teacher-forced accuracy on all 352 dev prompts,
+# 256 new tokens, replayed on the base model's greedy answers (made once, for
+# evaluation only: never trained on); then the default settings against plain
+# decoding on every 5th dev prompt.
+redrafter-mlx distill --prompts $PROMPTS/dev.jsonl --output data/eval-dev-smollm2-135m --batch-size 64 --max-tokens 256 --workers 2
+python3 bench/replay_acceptance.py --drafter $SHIPPED --data data/eval-dev-smollm2-135m --all --shapes 1x5,2x5,4x5,8x5 \
+    --lookup > bench/results/drafter/replay-dev-greedy-v4.jsonl
+redrafter-mlx bench --prompts $PROMPTS/dev.jsonl --every 5 --num-prompts 64 --max-tokens 256 --configs auto --calibrate \
+    --json bench/results/speed/bench-v4-auto-batch1-dev64.json

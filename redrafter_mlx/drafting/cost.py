@@ -108,8 +108,9 @@ def cached_curve(key: str, draft_key: Optional[str], measure: Callable[[tuple, b
             entry = data.get(key)
             # (an entry from before steps were measured lacks their costs: measured again)
             if entry is not None and not entry.get("stale") and "step_seconds" in entry:
+                plain = entry.get("plain_seconds")
                 curve = CostCurve([int(n) for n in entry["sizes"]], [float(t) for t in entry["seconds"]],
-                                  step_seconds=float(entry["step_seconds"]), plain_seconds=float(entry["plain_seconds"]))
+                                  step_seconds=float(entry["step_seconds"]), plain_seconds=None if plain is None else float(plain))
                 if len(curve.sizes) != len(curve.seconds) or len(curve.sizes) < 2:
                     raise ValueError("sizes and seconds differ")
             if draft_key in data:
@@ -119,7 +120,7 @@ def cached_curve(key: str, draft_key: Optional[str], measure: Callable[[tuple, b
             curve = draft = None
     if curve is None or (draft_key and draft is None):
         what = "this machine's verification cost" if curve is None else "the drafter's search cost"
-        print(f"measuring {what} for this model (a few seconds, once; cached in {path})...", file=sys.stderr, flush=True)
+        print(f"measuring {what} for this model (a few seconds; cached in {path})...", file=sys.stderr, flush=True)
         measured = measure(SIZES if curve is None else (1,), curve is None)
         if curve is None:
             curve = CostCurve(measured.sizes, measured.seconds, step_seconds=measured.step_seconds, plain_seconds=measured.plain_seconds)

@@ -135,6 +135,10 @@ class Speculator:
     # -- rows -------------------------------------------------------------
 
     def track(self, row: int, context: list, sampled: bool = False) -> None:
+        """A prompt joins: it drafts from ``context``. A new prompt is a new
+        chance for drafting, so the backoff of earlier retries starts over."""
+        self.interval, self.plain_left, self.retrying, self.idle = PLAIN_STEPS, 0, False, 0
+        self.window.clear()
         self.contexts[row] = context
         self.kinds[row] = "sampled" if sampled else "greedy"
         if self.settings.lookup:
@@ -167,7 +171,7 @@ class Speculator:
             return True
         return (self.steps_off + 1) % RNN_RETRY_STEPS == 0
 
-    def judge(self, cost, rows: int) -> None:
+    def judge(self, cost) -> None:
         """Decide, once per curve, what can pay at all: a drafting step's
         best case (every node of the largest tree accepted) against plain
         decoding. The RNN is kept off where its search alone forbids it; a
@@ -182,10 +186,10 @@ class Speculator:
                           settings.beam_length - 1 if self.datastore is not None else 0)
         rnn_depth = settings.beam_length - 1
 
-        def best(depth: int, extra: float) -> float:
-            return max((rows * (1 + n) / (cost(n + 1) + cost.step_seconds + extra) for n in range(1, depth + 1)), default=0.0)
+        def best(depth: int, extra: float) -> float:  # tokens a second of a row
+            return max(((1 + n) / (cost(n + 1) + cost.step_seconds + extra) for n in range(1, depth + 1)), default=0.0)
 
-        plain = rows / cost.plain
+        plain = 1 / cost.plain
         with_rnn = best(rnn_depth, cost.draft_seconds)
         cheap = best(cheap_depth, 0.0)
         self.has_drafter = self.drafter_present and with_rnn > plain
@@ -206,7 +210,7 @@ class Speculator:
         can issue a plain pass before the last token is known (not when the
         token choice reads the tokens)."""
         self.steps += 1
-        self.judge(cost, len(rows))
+        self.judge(cost)
         plan = self._plan(rows, roots, beams, conditionals, cost, ahead, may_run_ahead)
         if plan.trees is not None and beams is not None and beams.shape[-1] == self.settings.beam_length:
             self.kept_depths.append({t.depths[i] for t in plan.trees for i in range(1, t.num_nodes)
@@ -244,7 +248,7 @@ class Speculator:
         if trees is None:  # nothing worth verifying: this step decodes plainly
             self.idle += 1
             if self.idle >= (1 if self.retrying else IDLE_STEPS):
-                self._turn_plain(gained=False)
+                self._turn_plain()
             self.last = Plan("plain", search=self.use_rnn(), one_node=one)
             self.last.predicted = self._alone(cost, self.last.search)
             return self.last
@@ -258,8 +262,9 @@ class Speculator:
     @staticmethod
     def _alone(cost, search: bool) -> float:
         """Curve seconds of a plain step not pipelined (what the drift check
-        holds it against): a pass of one token, and the search it runs."""
-        return 0.0 if cost is None else cost(1) + (cost.draft_seconds if search else 0.0)
+        holds it against): a pass of one token, a step's own work, and the
+        search it runs."""
+        return 0.0 if cost is None else cost(1) + cost.step_seconds + (cost.draft_seconds if search else 0.0)
 
     def trees(self, rows: list, roots: list, beams: Optional[np.ndarray], conditionals: Optional[np.ndarray], cost=None) -> Optional[list[RowTree]]:
         """The tree each row verifies, or None when the budget keeps no node
@@ -305,13 +310,11 @@ class Speculator:
             return None
         return [prune(t, count) for t in candidates]
 
-    def _turn_plain(self, gained: bool) -> None:
+    def _turn_plain(self) -> None:
         """Plain steps for the current interval; a retry that did not gain
-        doubles it, a run that gained starts it over."""
-        if self.retrying and not gained:
+        doubles it (one that gains starts it over: ``observe``)."""
+        if self.retrying:
             self.interval = min(2 * self.interval, MAX_PLAIN_STEPS)
-        elif gained:
-            self.interval = PLAIN_STEPS
         self.plain_left, self.idle, self.retrying = self.interval, 0, True
         self.window.clear()
 
@@ -366,7 +369,7 @@ class Speculator:
         self.window.append((tokens, plan.predicted, plan.one_node, len(trees)))
         if len(self.window) == WINDOW:
             if self._losing():
-                self._turn_plain(gained=False)
+                self._turn_plain()
             elif self.retrying:  # a retry that gains: the next one comes soon again
                 self.retrying, self.interval = False, PLAIN_STEPS
 

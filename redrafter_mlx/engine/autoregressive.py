@@ -1,8 +1,9 @@
 """Plain batched autoregressive decoding: the baseline for benchmarks and
 the generator for distillation data. It is the engine's own plain step
-(``Decoder`` with nothing drafted, pipelined as mlx-lm's loop is), with a
-queue of prompts that refill the batch as rows finish: the one plain loop
-the package has."""
+(``Decoder`` with nothing drafted, pipelined as mlx-lm's loop is unless the
+token choice reads the tokens, as a repetition penalty does), with a queue
+of prompts that refill the batch as rows finish: the one plain loop the
+package has."""
 
 from typing import Iterator, Optional, Sequence
 

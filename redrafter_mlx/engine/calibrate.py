@@ -5,6 +5,7 @@ plainly and a few drafting steps to time what a step costs besides its pass;
 batch size and beam shape."""
 
 import statistics
+import sys
 import time
 from typing import Callable, Optional
 
@@ -101,6 +102,8 @@ def cost_curve(redrafter: ReDrafter, batch_size: int, beam_shape: Optional[tuple
     missing (or unreadable) and whenever ``refresh``."""
     if redrafter.base.ranks.several:
         # Split over ranks: hops included, measured on every start, the same on every rank.
+        if redrafter.base.ranks.rank == 0:
+            print("measuring the split model's verification cost, hops included (a few seconds, at every start)...", file=sys.stderr, flush=True)
         return measure(redrafter, batch_size, beam_shape, step_costs=step_costs)
     key = curve_key(redrafter, batch_size)
     draft_key = None

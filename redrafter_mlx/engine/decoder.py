@@ -62,8 +62,9 @@ class Decoder:
     ``CostCurve`` for every batch size, used as it is (benchmarks, which
     must not measure while they time).
     profile: a ``StepProfile`` to time each phase (extra synchronisations).
-    with_hidden: each output carries the hidden states its tokens were
-    chosen from (``StepOutput.hidden``; distillation).
+    with_hidden: each output of a plain step (and of ``join``) carries the
+    hidden state its token was chosen from (``StepOutput.hidden``;
+    distillation, which decodes plainly).
     """
 
     def __init__(
@@ -126,6 +127,17 @@ class Decoder:
             self.drift[size] = calibrate.DriftCheck()
         return self.costs[size]
 
+    def refresh_curves(self) -> None:
+        """Between requests (no row decoding): measure again the curves the
+        steps found drifting, on every rank of a split model (rank 0's
+        steps decide). The scheduler calls it while it waits for requests,
+        ``join`` when a prompt finds the batch empty."""
+        ranks = self.redrafter.base.ranks
+        self.stale = set(ranks.broadcast(sorted(self.stale) if ranks.rank == 0 else None))
+        for size in list(self.stale):
+            self.costs.pop(size, None)
+            self.cost(size)
+
     def curve_size(self, batch_size: int) -> int:
         return next((b for b in self.cost_batch_sizes if b >= batch_size), self.cost_batch_sizes[-1])
 
@@ -161,15 +173,12 @@ class Decoder:
             if c is not None:
                 c.check(self.redrafter.identity, base.num_layers)
         ready = self._resolve_ahead()
-        ranks = base.ranks  # the curves rank 0's steps found drifting are measured again on every rank
-        self.stale = set(ranks.broadcast(sorted(self.stale) if ranks.rank == 0 else None))
-        if all(r in self.leaving for r in self.tracker.rows):  # between requests: a drifted curve is measured again now
-            for size in list(self.stale):
-                self.costs.pop(size, None)
-                self.cost(size)
+        staying = sum(r not in self.leaving for r in self.tracker.rows)
+        if not staying:
+            self.refresh_curves()
         # What can pay on this curve is known before the prefill, which
         # runs the first search when the RNN drafts.
-        self.speculator.judge(self.cost(len(self.tracker.rows) + len(prompts)), len(self.tracker.rows) + len(prompts))
+        self.speculator.judge(self.cost(staying + len(prompts)))
         joining = [self.tracker.add(p, m, i) for p, m, i in zip(prompts, limits, ids)]
         for r, i in zip(joining, ids):
             self.speculator.track(r, self.tracker.context[r], self.choose.is_sampled(i))
@@ -254,7 +263,8 @@ class Decoder:
         return context[:length], [k for k, _ in kv], [v for _, v in kv]
 
     def step(self) -> list[StepOutput]:
-        """One step for every active row, as the speculator plans it (none: returns [])."""
+        """One step for every active row, as the speculator plans it: a tree
+        verified, or a plain token (none: returns [])."""
         self._drop_leaving()
         tracker = self.tracker
         if not tracker.rows:
@@ -445,11 +455,14 @@ def fixed_costs(redrafter: ReDrafter, prompts: list, curve: CostCurve, tokens: i
         decoder = Decoder(lookup_only, draft)
         decoder.join(prompts, tokens + 1)
         timed = []
-        while decoder.rows:
+        while True:
             tic = time.perf_counter()
             outputs = decoder.step()
-            nodes = max((out.num_nodes or 1) for out in outputs) if outputs else 1
-            timed.append((time.perf_counter() - tic, nodes))
+            if not outputs:
+                break
+            timed.append((time.perf_counter() - tic, max((out.num_nodes or 1) for out in outputs)))
+            if any(out.finish_reason for out in outputs):
+                break
         return timed[1:]
 
     plain = step_times(DraftSettings(max_nodes=0, lookup=False, datastore_beams=0), prompts)

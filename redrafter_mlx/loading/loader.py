@@ -13,7 +13,7 @@ import numpy as np
 from ..blas import blas_name
 from ..drafting.datastore import FILE as DATASTORE_FILE
 from ..drafting.datastore import load_datastore
-from ..drafting.drafter import CONFIG_FILE, WEIGHTS_FILE, check_compatible, load_drafter
+from ..drafting.drafter import CONFIG_FILE, WEIGHTS_FILE, check_compatible, load_drafter, read_config
 from ..engine.base_model import BaseModel
 from ..engine.distributed import ONE_PROCESS, Ranks, split_model
 from ..engine.types import ReDrafter
@@ -286,6 +286,12 @@ def load(
             print("note: no drafter is shipped for this model; drafting by context lookup only", file=sys.stderr)
         else:
             draft_model = load_drafter(drafter)
+    elif draft_model is not None:
+        made_for = read_config(Path(drafter) / CONFIG_FILE).get("base_model")
+        if isinstance(made_for, dict) and made_for.get("identity") and made_for["identity"] != identity:
+            # Sizes match (checked below), but the model is another one: its drafts will rarely be accepted.
+            print(f"warning: drafter {drafter} was made for {made_for.get('name', 'another model')} (identity {made_for['identity']}), "
+                  f"not for this model (identity {identity})", file=sys.stderr)
     if ranks.several:
         ranks.check_same("drafter", "none" if draft_model is None else drafter_identity(drafter))
     # Every weight is evaluated here: MLX runs a lazy graph only on the

@@ -91,7 +91,7 @@ def stream_generate(
     """Generate from one prompt, yielding a response per step. ``draft``:
     the fields of ``DraftSettings`` (beam_width, beam_length, max_nodes,
     lookup, lookup_length, lookup_max_ngram, datastore_beams,
-    later_vocab, partial_beams).
+    later_vocab, partial_beams, first_vocab).
 
     ``prompt_cache`` (``make_prompt_cache()``): the prompt starts from the
     longest prefix the cache shares with it, and the cache is kept holding

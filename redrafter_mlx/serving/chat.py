@@ -126,7 +126,9 @@ def chat_loop(redrafter, tokenizer, max_tokens: int, system_prompt=None, read=in
             write()
             continue
         command = query.strip()
-        if command.lower() in QUIT:
+        if command.startswith("/") or command.lower() in QUIT:
+            command = command.lower()  # commands are not case-sensitive
+        if command in QUIT:
             return
         if command == "/help":
             write(f"[{HELP}]")

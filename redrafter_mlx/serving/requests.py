@@ -34,7 +34,7 @@ class BadRequest(Exception):
 class Job:
     """A checked request: what to generate and how to answer.
 
-    kind: "chat", "completion" or "messages" (Anthropic). logged: what a
+    kind: "chat", "completion", "responses" or "messages" (Anthropic). logged: what a
     prompt log keeps. tools: the request's tools in OpenAI's form (None:
     none, or ``tool_choice`` "none"); their calls are then read from the
     answer. logprobs: None, or how many alternatives to report per token.

@@ -177,6 +177,10 @@ class Scheduler:
             self.ready.set()
         while True:
             if not self.active and not self.waiting:
+                if self.decoder.stale and not self.ranks.several:
+                    # Nothing is decoding: a curve the steps found drifting is
+                    # measured again now, not at the next request's join.
+                    self.decoder.refresh_curves()
                 self.waiting.append(self.incoming.get())
             while True:
                 try:

@@ -23,19 +23,20 @@ The recipe, the same for every model (what differs comes from the model):
 6. **measure** the speed against plain decoding on the held-out prompts,
    alternating, at each planned temperature, into the model card.
 
-Everything but the drafter lives in the work folder ``OUTPUT.make/``
-(beside ``OUTPUT``, which ends up holding the drafter alone, uploadable as
-it is); a finished stage is recorded in ``done.json`` and skipped when the
-command runs again.
+Everything but the drafter lives beside it: the plan, the prompts and the
+distilled data in the work folder ``OUTPUT.make/``, training's checkpoint
+in ``OUTPUT.train/`` (``train``'s own), so that ``OUTPUT`` ends up holding
+the drafter alone, uploadable as it is. A finished stage is recorded in
+``done.json`` (with its wall and CPU time) and skipped when the command
+runs again.
 """
 
 import json
-import math
 import os
 import random
+import resource
 import shutil
 import statistics
-import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -89,25 +90,35 @@ def check_disk(folder: Path, needed: int) -> None:
                         f"{free / 1e9:.1f} GB free; free some space, or give fewer --hours")
 
 
+def cpu_seconds() -> float:
+    """CPU seconds this process and its finished children have used."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
 class Stages:
-    """The recipe's stages as they run: each is skipped once ``done.json``
-    lists it; the overall bar counts planned seconds."""
+    """The recipe's stages as they run: each is announced with the time the
+    plan gives it and the time left for the whole recipe, and skipped once
+    ``done.json`` lists it."""
 
     def __init__(self, work: Path, plan: dict, say: Callable[[str], None]):
         self.work, self.plan, self.say = work, plan, say
         self.done_path = work / DONE_FILE
         self.done = json.loads(self.done_path.read_text()) if self.done_path.exists() else {}
-        self.started = time.time()
 
     def run(self, name: str, estimate: float, body: Callable[[], Optional[dict]]) -> dict:
         if name in self.done:
             self.say(f"[{name}] done already ({self.done[name].get('seconds', 0) / 60:.1f} min)")
             return self.done[name]
         left = sum(s["seconds"] for s in self.plan["stages"] if s["name"] not in self.done)
-        self.say(f"[{name}] about {estimate / 60:.0f} min; about {left / 3600:.1f} h left for the whole recipe")
-        tic = time.time()
+        if estimate:
+            self.say(f"[{name}] about {estimate / 60:.0f} min; about {left / 3600:.1f} h left for the whole recipe")
+        else:  # a plan written by hand: no estimates
+            self.say(f"[{name}] started")
+        tic, cpu = time.time(), cpu_seconds()
         result = body() or {}
         result["seconds"] = round(time.time() - tic)
+        result["cpu_seconds"] = round(cpu_seconds() - cpu)
         self.done[name] = result
         tmp = self.done_path.with_name(f".{DONE_FILE}.tmp")
         tmp.write_text(json.dumps(self.done, indent=1) + "\n")
@@ -184,6 +195,8 @@ def make_plan(model: Optional[str], dtype: Optional[str], output: str, prompts: 
     texts = read_prompts(prompts) if prompts else None
     if texts is not None and len(texts) < 2:
         raise UserError(f"{prompts} holds {len(texts)} prompt; the recipe needs at least 2 (one is held out)")
+    if texts is not None and held_out is not None and held_out >= len(texts):
+        raise UserError(f"--held-out {held_out} leaves no prompt of {prompts}'s {len(texts)} to train on")
     exit_dim, vocab = base.hidden_size, draft_vocab_size(base.vocab_size)
     recommended = generation_config(model)
     temps = [0.0, float(recommended.get("temperature") or CHAT_TEMP)] if chat else list(TEXT_TEMPS)
@@ -216,7 +229,9 @@ def make_plan(model: Optional[str], dtype: Optional[str], output: str, prompts: 
     start = 0
     for i, (temp, share) in enumerate(zip(temps, shares)):
         n = len(train_index) - start if i == len(temps) - 1 else int(round(len(train_index) * share))
-        runs.append({"name": f"distill-t{temp:g}", "temp": temp, "seed": seed + i, "first": start, "count": n, "max_tokens": max_tokens})
+        # A chat model samples with top-p 0.9 (``chat``'s default), a completion with none.
+        runs.append({"name": f"distill-t{temp:g}", "temp": temp, "top_p": 0.9 if chat and temp > 0 else 1.0, "seed": seed + i, "first": start,
+                     "count": n, "max_tokens": max_tokens})
         start += n
     if measure_prompts is None:
         measure_prompts = min(len(held_index), 12)
@@ -241,7 +256,8 @@ def make_plan(model: Optional[str], dtype: Optional[str], output: str, prompts: 
         "train": {"steps": steps, "batch_size": min(BATCH, max(8, int(positions) // 2)), "learning_rate": 2e-3, "warmup": min(100, steps // 10),
                   "exit_dim": exit_dim, "warm_start": True, "freeze_head_steps": steps, "hidden_loss": 1.0, "num_draft_layers": 1,
                   "draft_vocab": vocab, "eval_every": max(steps // 4, 1), "save_every": max(min(200, steps // 8), 1), "seed": seed},
-        "measure": {"prompts": measure_prompts, "max_tokens": MEASURE_TOKENS, "temps": [0.0, temps[-1] if chat else temps[0]]},
+        "measure": {"prompts": measure_prompts, "max_tokens": MEASURE_TOKENS, "temps": [0.0, temps[-1] if chat else temps[0]],
+                    "top_p": 0.9 if chat else 1.0},
         "rates": rates,
         "hours": hours,
     }
@@ -267,13 +283,23 @@ def explicit_plan(path: str, model: Optional[str], dtype: Optional[str]) -> dict
     and ``temps``. ``bench/train_default_drafter.sh`` writes one."""
     from ..loading.loader import load_base_model
 
+    from .train import TrainConfig
+
     try:
         plan = json.loads(Path(path).read_text())
         runs, train, measure = plan["runs"], plan["train"], plan["measure"]
         for run in runs:
             if not {"name", "temp", "seed", "max_tokens"} <= set(run) or not (run.get("prompts") or run.get("self_prompts")):
                 raise ValueError(f"run {run.get('name')!r} needs name, temp, seed, max_tokens, and prompts or self_prompts")
-    except (OSError, ValueError, KeyError, TypeError) as e:
+        if len({run["name"] for run in runs}) != len(runs):
+            raise ValueError("two runs share a name")
+        TrainConfig(**{k: v for k, v in train.items() if k in TrainConfig.__dataclass_fields__})
+        missing = {"prompts_file", "prompts", "max_tokens", "temps"} - set(measure)
+        if missing:
+            raise ValueError(f"measure needs {', '.join(sorted(missing))}")
+        if not Path(measure["prompts_file"]).is_file():
+            raise ValueError(f"measure's prompts_file {measure['prompts_file']} does not exist")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise UserError(f"cannot read the plan {path}: {e}") from None
     _, tokenizer = load_base_model(model, dtype)
     for run in runs:
@@ -301,7 +327,7 @@ def load_or_make_plan(output: str, model: Optional[str], say=print, plan_file: O
         say(f"resuming the run planned in {path}")
         return plan
     out = Path(output)
-    if out.exists() and any(out.iterdir()):
+    if out.exists() and any(not p.name.startswith(".") for p in out.iterdir()):
         raise UserError(f"output folder {output} exists and is not empty, and {work} holds no plan to resume; use a new --output")
     if plan_file is not None:
         plan = explicit_plan(plan_file, model, options.get("dtype"))
@@ -361,7 +387,7 @@ def make_drafter(output: str, model: Optional[str] = None, *, say=print, workers
     every stage not yet done; returns the measured figures."""
     import mlx.core as mx
 
-    from ..drafting.drafter import load_drafter, read_config, save_drafter, CONFIG_FILE
+    from ..drafting.drafter import CONFIG_FILE, WEIGHTS_FILE, load_drafter, read_config, save_drafter
     from ..engine.sampling import SamplingSettings
     from .datastore import add_datastore
     from .distill import distill_command
@@ -422,26 +448,32 @@ def make_drafter(output: str, model: Optional[str] = None, *, say=print, workers
     stages.run("datastore", estimates["datastore"], lambda: dict(zip(("path", "tokens", "answers"), map(str, add_datastore(output, stored)))))
 
     def compact():
+        # Written beside, then moved in: a run killed here keeps a whole drafter.
         drafter = load_drafter(output)
         drafter.set_dtype(mx.float16)  # floating arrays only: token ids stay int32
         config_json = read_config(Path(output) / CONFIG_FILE)
         extra = {k: v for k, v in config_json.items() if k not in drafter.args.to_config()}
-        save_drafter(drafter, output, extra)
-        return {"bytes": (Path(output) / "model.safetensors").stat().st_size}
+        staged = work / "compact"
+        save_drafter(drafter, str(staged), extra)
+        for name in (WEIGHTS_FILE, CONFIG_FILE):
+            os.replace(staged / name, Path(output) / name)
+        return {"bytes": (Path(output) / WEIGHTS_FILE).stat().st_size}
     stages.run("compact", estimates["compact"], compact)
 
     def measure():
-        return measure_speed(output, model, dtype, Path(plan["measure"].get("prompts_file") or work / HELD_OUT_PROMPTS), plan, say)
+        return measure_speed(output, model, dtype, Path(plan["measure"].get("prompts_file") or work / HELD_OUT_PROMPTS), plan, work, say)
     figures = stages.run("measure", estimates["measure"], measure)
     record_in_card(output, plan, stages.done, command)
     (Path(output) / MODEL_CARD_FILE).write_text(model_card(output))
     return figures
 
 
-def measure_speed(output: str, model: Optional[str], dtype: Optional[str], held_out: Path, plan: dict, say) -> dict:
+def measure_speed(output: str, model: Optional[str], dtype: Optional[str], held_out: Path, plan: dict, work: Path, say) -> dict:
     """Plain decoding against the new drafter (the default settings) and
     against context lookup alone, on the held-out prompts, alternating, at
-    each planned temperature: medians and per-prompt figures."""
+    each planned temperature: medians and per-prompt figures. Each
+    temperature's figures are kept in the work folder as they are made, so
+    that a run stopped here resumes at the next."""
     from ..engine.sampling import SamplingSettings, make_chooser
     from ..loading.loader import load
     from ..serving import bench as benchmark
@@ -454,13 +486,18 @@ def measure_speed(output: str, model: Optional[str], dtype: Optional[str], held_
     curve = benchmark.calibration(redrafter, 1)
     figures = {}
     for temp in plan["measure"]["temps"]:
-        choose = make_chooser(SamplingSettings(temp=temp, seed=plan["seed"]))
+        kept = work / f"measure-t{temp:g}.json"
+        if kept.exists():
+            figures[f"temp {temp:g}"] = json.loads(kept.read_text())
+            continue
+        choose = make_chooser(SamplingSettings(temp=temp, top_p=plan["measure"].get("top_p", 1.0) if temp > 0 else 1.0, seed=plan["seed"]))
         results = benchmark.run_benchmark(redrafter, prompts, benchmark.parse_configs("auto,lookup"), max_tokens=plan["measure"]["max_tokens"],
                                           batch_size=1, repeats=1, choose=choose, eos=list(tokenizer.eos_token_ids), curve=curve)
         summary = {r.name: r.summary() for r in results}
         figures[f"temp {temp:g}"] = {name: {k: s[k] for k in ("speedup_median", "speedup_min", "speedup_max", "tokens_per_step", "nodes_per_step",
                                                                "baseline_tps", "redrafter_tps", "mismatches")}
                                      for name, s in summary.items()}
+        kept.write_text(json.dumps(figures[f"temp {temp:g}"]) + "\n")
         say(f"temperature {temp:g}: " + ", ".join(f"{name} {s['speedup_median']:.2f}x ({s['tokens_per_step']:.2f} tokens/step)"
                                                   for name, s in summary.items()))
     figures["prompts"] = len(prompts)
@@ -486,7 +523,8 @@ def record_in_card(output: str, plan: dict, done: dict, command: Optional[str]) 
                   "max_tokens": r["max_tokens"], **({"prompts": r["prompts"]} if r.get("prompts") else {})} for r in plan["runs"]],
         "hours_asked": plan["hours"],
         "stage_minutes": {name: round(result.get("seconds", 0) / 60, 1) for name, result in done.items()},
-        "cpu_hours": round(sum(result.get("seconds", 0) for result in done.values()) / 3600 * (os.cpu_count() or 1), 2),
+        "cpu_hours": round(sum(result.get("cpu_seconds", 0) for result in done.values()) / 3600, 2),
+        "hours": round(sum(result.get("seconds", 0) for result in done.values()) / 3600, 2),
         "held_out_speed": done.get("measure", {}),
     }
     path.write_text(json.dumps(config, indent=2) + "\n")

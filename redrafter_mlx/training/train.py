@@ -569,7 +569,7 @@ def train_drafter(data: list, output: str, config: TrainConfig, model: Optional[
     check_training_state_folder(state)
     if (out / CHECKPOINT_DIR).is_dir():
         move_old_training_state(out, state)
-    if out.exists() and any(out.iterdir()) and not (state / CHECKPOINT_DIR).is_dir():
+    if out.exists() and any(not p.name.startswith(".") for p in out.iterdir()) and not (state / CHECKPOINT_DIR).is_dir():
         raise UserError(f"output folder {output} exists and {state} holds no training checkpoint to resume; use a new output folder")
     folders = data_folders(data)
     for folder in folders:
@@ -623,7 +623,7 @@ def check_training_state_folder(state: Path) -> None:
         return
     if not state.is_dir():
         raise UserError(f"{state} (where training keeps its checkpoint) is a file; move it away")
-    foreign = sorted(p.name for p in state.iterdir() if p.name not in STATE_NAMES)
+    foreign = sorted(p.name for p in state.iterdir() if p.name not in STATE_NAMES and not p.name.startswith("."))
     if foreign:
         raise UserError(f"{state} (where training keeps its checkpoint) holds other files ({', '.join(foreign[:3])}); use another output folder")
 
@@ -798,7 +798,7 @@ def _made_section(made: dict) -> list:
            _table([("model kind", "chat (its chat template applied)" if made.get("kind") == "chat" else "text (continues plain text)"),
                    ("prompts", f"`{made.get('prompts')}`: {made.get('train_prompts', 0):,} for training, {made.get('held_out_prompts', 0):,} held out"),
                    ("distillation", runs),
-                   ("time", f"{sum(minutes.values()) / 60:.2f} hours in all (" + ", ".join(f"{k} {v:.0f} min" for k, v in minutes.items())
+                   ("time", f"{made.get('hours', sum(minutes.values()) / 60):.2f} hours in all (" + ", ".join(f"{k} {v:.0f} min" for k, v in minutes.items())
                     + f"), {made.get('cpu_hours', 0):.1f} CPU hours")])]
     speed = made.get("held_out_speed") or {}
     rows = []
@@ -806,7 +806,7 @@ def _made_section(made: dict) -> list:
         if not isinstance(configs, dict):
             continue
         for name, s in configs.items():
-            label = "this drafter (defaults)" if name == "auto" else "context lookup alone"
+            label = {"auto": "this drafter (defaults)", "lookup": "context lookup alone"}.get(name, name)
             rows.append(f"| {key} | {label} | {s['speedup_median']:.2f}x ({s['speedup_min']:.2f}-{s['speedup_max']:.2f}) | "
                         f"{s['tokens_per_step']:.2f} | {s['nodes_per_step']:.1f} |")
     if rows:

@@ -20,10 +20,12 @@ def test_the_curve_is_measured_once_cached_and_rebuilt_when_corrupt(tmp_path, mo
     curve = cost_curve(redrafter, 2, (4, 5))
     assert curve.sizes == list(SIZES) and len(curve.seconds) == len(SIZES)
     assert all(b >= a > 0 for a, b in zip(curve.seconds, curve.seconds[1:]))
-    assert curve.draft_seconds > 0 and curve.step_seconds >= 0 and curve.plain_seconds > 0
+    assert curve.draft_seconds > 0 and curve.plain_seconds > 0
     assert capsys.readouterr().err.startswith("measuring this machine's verification cost")  # announced
     saved = json.loads(cache_path().read_text())
     assert len(saved) == 2  # the curve, and the beam search's cost for this drafter and shape
+    curve_entry = next(v for k, v in saved.items() if "drafter" not in k)
+    assert curve_entry["step_seconds"] == curve.step_seconds and curve_entry["plain_seconds"] == curve.plain_seconds
 
     again = cost_curve(redrafter, 2, (4, 5))
     assert again == curve  # from the cache, steps' costs included
@@ -44,3 +46,21 @@ def test_the_curve_is_measured_once_cached_and_rebuilt_when_corrupt(tmp_path, mo
 
     refreshed = cost_curve(redrafter, 2, (4, 5), refresh=True)
     assert len(refreshed.seconds) == len(SIZES)
+
+
+def test_the_drift_check_holds_plain_steps_apart_and_finds_a_busier_machine():
+    from redrafter_mlx.engine.calibrate import DriftCheck
+
+    steady = DriftCheck()
+    for _ in range(20):
+        steady.add(4, 1.1, 1.0)  # drafting steps, a little above the curve
+        steady.add(1, 1.3, 1.0, plain=True)  # plain steps: their own bucket, not compared with the trees'
+    assert not steady.drifted()
+    busier = DriftCheck()
+    for _ in range(20):
+        busier.add(1, 2.6, 1.0, plain=True)
+    assert busier.drifted()
+    freer = DriftCheck()
+    for _ in range(20):
+        freer.add(8, 0.5, 1.0)
+    assert freer.drifted()

@@ -180,3 +180,30 @@ def test_later_vocab_applies_only_to_a_sorted_draft_vocabulary():
     assert settings.search_shape(drafter) == (3, 4, None, True, None)  # rows in no known order: all are searched
     drafter.args.sorted_draft_vocab = True
     assert settings.search_shape(drafter) == (3, 4, 8, True, 2048)
+
+
+def test_the_search_drafts_as_deep_as_the_budget_keeps_its_nodes():
+    """After a few searches of the whole length whose trees kept RNN nodes
+    at depths 1 and 2 only, searches stop at depth 2 (length 3), but every
+    ``RESHAPE_STEPS``-th search runs the whole length again."""
+    from redrafter_mlx.drafting.speculator import RESHAPE_STEPS
+
+    speculator = tracking(DraftSettings(beam_width=2, beam_length=5, max_nodes=4, lookup=False), True, [[1, 2]])
+    beams, probs = beams_for(2, [[7, 8, 9, 10], [11, 12, 13, 14]], 0.9)
+    lengths = []
+    for _ in range(2 * RESHAPE_STEPS):
+        plan = speculator.plan([0], [2], beams, probs)
+        lengths.append(plan.search_length)
+        assert max(plan.trees[0].depths) <= 2  # 4 nodes: both beams' first two tokens
+    assert lengths[:3] == [5] * 3 and set(lengths[3:]) == {3, 5}  # shortened once four full searches are seen
+    assert [i for i, n in enumerate(lengths) if n == 5][3:] == [i for i in range(3, len(lengths)) if i % RESHAPE_STEPS == 0]
+
+
+def test_a_prompt_joining_starts_the_backoff_over():
+    cost = CostCurve([1, 2, 32], [1.0, 1.05, 2.0])
+    speculator = tracking(DraftSettings(), False, [[5, 6, 7, 5, 6, 7, 5, 6]])
+    for _ in range(20):
+        run_steps(speculator, 6, None, None, cost, accepted=0, steps=10)
+    assert speculator.interval > 4 * PLAIN_STEPS and speculator.plain_left
+    speculator.track(1, [1, 2, 3])
+    assert speculator.interval == PLAIN_STEPS and speculator.plain_left == 0 and speculator.mode != "plain"

@@ -174,6 +174,36 @@ def test_prompts_that_join_and_leave_a_running_batch_decode_as_they_would_alone(
     assert decoder.rows == [] and decoder.tracker.context == {}
 
 
+def test_prompts_join_a_batch_whose_beams_the_budget_shortened():
+    """Earlier runs kept RNN nodes at depth 1 only, so searches stop there
+    (beams of length 2, but for every 16th): prompts joining the running
+    batch search as long, and every row still decodes as it would alone."""
+    redrafter = ReDrafter(BaseModel(tiny_model("llama", seed=4)), tiny_drafter(seed=5))
+    prompts = [[5, 17, 42, 99, 3], [7, 7, 8, 9, 10, 11, 12, 13, 14]]
+    alone = [run(redrafter, [p], max_tokens=30, max_nodes=4)[0][0] for p in prompts]
+    redrafter.acceptance.kept_depths.extend([{1}] * 8)
+    decoder = Decoder(redrafter, DraftSettings(max_nodes=4), cost_batch_sizes=(1, 2))
+    tokens, lengths = {}, []
+
+    def record(outputs):
+        for out in outputs:
+            tokens[out.row] = tokens.get(out.row, []) + out.tokens
+        lengths.append(decoder.speculator.last.search_length if decoder.speculator.last else None)
+
+    record(decoder.join(prompts[:1], 30))
+    for _ in range(3):
+        record(decoder.step())
+    assert decoder.rnn[0].shape[-1] == 2
+    record(decoder.join(prompts[1:], 30, ids=[1]))
+    while decoder.rows:
+        outputs = decoder.step()
+        if not outputs:
+            break
+        record(outputs)
+    assert tokens[0] == alone[0] and tokens[1] == alone[1]
+    assert 2 in lengths and 5 in lengths
+
+
 def test_a_step_synchronises_once(monkeypatch):
     """One mx.eval per verification step: what was accepted and the next
     beams, together."""

@@ -167,3 +167,12 @@ def test_generate_takes_a_hub_drafter_from_the_command_line(model_folder, tmp_pa
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert result.returncode == 1 and len(lines) == 1, result.stderr
     assert lines[0].startswith("error: drafter org/missing is not in the local Hugging Face cache and the Hub cannot be reached (offline")
+
+
+def test_a_drafter_made_for_another_model_of_the_same_sizes_is_loaded_with_a_warning(model_folder, tmp_path, capsys):
+    save_drafter(Drafter(DrafterArgs(vocab_size=49152, hidden_size=64, exit_dim=32)), str(tmp_path / "d"),
+                 {"base_model": {"name": "another-model", "identity": "0123456789abcdef"}})
+    redrafter, _ = load(str(model_folder), str(tmp_path / "d"))
+    err = capsys.readouterr().err
+    assert redrafter.drafter is not None
+    assert f"warning: drafter {tmp_path / 'd'} was made for another-model (identity 0123456789abcdef)" in err

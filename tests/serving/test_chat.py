@@ -150,12 +150,12 @@ def test_commands_and_typos_never_reach_the_model(leave):
     engine is never called: it is None here)."""
     from redrafter_mlx.serving.chat import HELP, chat_loop
 
-    read, rest = scripted(["/help", "/bogus now", "/Reset", leave, "never read"])
+    read, rest = scripted(["/help", "/bogus now", "/resett", leave, "never read"])
     shown = []
     chat_loop(None, None, 3, read=read, write=lambda *a, **k: shown.append(" ".join(map(str, a))))
     assert f"[{HELP}]" in shown
     assert "[unknown command /bogus; /help lists the commands]" in shown
-    assert "[unknown command /Reset; /help lists the commands]" in shown
+    assert "[unknown command /resett; /help lists the commands]" in shown
     assert list(rest) == ["never read"]
 
 
