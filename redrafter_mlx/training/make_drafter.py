@@ -280,7 +280,8 @@ def explicit_plan(path: str, model: Optional[str], dtype: Optional[str]) -> dict
     ``max_tokens``; a run marked ``datastore_only`` feeds the datastore
     alone, one marked ``train_only`` training alone; ``train`` holds ``TrainConfig``'s fields; ``measure`` the
     held-out ``prompts_file``, how many of its ``prompts``, ``max_tokens``
-    and ``temps``. ``bench/train_default_drafter.sh`` writes one."""
+    and ``temps``; an optional ``note`` (say, why a plan was changed by hand)
+    is shown in the model card. ``bench/train_default_drafter.sh`` writes one."""
     from ..loading.loader import load_base_model
 
     from .train import TrainConfig
@@ -520,7 +521,10 @@ def record_in_card(output: str, plan: dict, done: dict, command: Optional[str]) 
         "train_prompts": len(plan.get("train_prompts") or []),
         "held_out_prompts": len(plan.get("held_out_prompts") or []) or plan["measure"]["prompts"],
         "runs": [{"name": r["name"], "temp": r["temp"], "count": r.get("count") or r.get("shortest") or r.get("limit") or r.get("self_prompts") or "all",
-                  "max_tokens": r["max_tokens"], **({"prompts": r["prompts"]} if r.get("prompts") else {})} for r in plan["runs"]],
+                  "max_tokens": r["max_tokens"], **({"prompts": r["prompts"]} if r.get("prompts") else {}),
+                  **({"responses": done[r["name"]]["responses"]} if "responses" in done.get(r["name"], {}) else {})} for r in plan["runs"]],
+        **({"note": plan["note"]} if plan.get("note") else {}),
+        "held_out_file": plan["measure"].get("prompts_file") and Path(plan["measure"]["prompts_file"]).name,
         "hours_asked": plan["hours"],
         "stage_minutes": {name: round(result.get("seconds", 0) / 60, 1) for name, result in done.items()},
         "cpu_hours": round(sum(result.get("cpu_seconds", 0) for result in done.values()) / 3600, 2),

@@ -789,6 +789,8 @@ def _made_section(made: dict) -> list:
     command, its data, its stages' times and the held-out speed."""
     def run(r: dict) -> str:
         count = f"{r['count']:,}" if isinstance(r.get("count"), int) else "all"
+        if isinstance(r.get("responses"), int) and r["responses"] != r.get("count"):
+            count = f"{r['responses']:,} of {count}"
         source = f" of `{Path(r['prompts']).name}`" if r.get("prompts") else ""
         return f"{count} prompts{source} at temperature {r['temp']:g} (up to {r['max_tokens']} tokens)"
 
@@ -799,7 +801,8 @@ def _made_section(made: dict) -> list:
                    ("prompts", f"`{made.get('prompts')}`: {made.get('train_prompts', 0):,} for training, {made.get('held_out_prompts', 0):,} held out"),
                    ("distillation", runs),
                    ("time", f"{made.get('hours', sum(minutes.values()) / 60):.2f} hours in all (" + ", ".join(f"{k} {v:.0f} min" for k, v in minutes.items())
-                    + f"), {made.get('cpu_hours', 0):.1f} CPU hours")])]
+                    + f"), {made.get('cpu_hours', 0):.1f} CPU hours")]
+                  + ([("note", made["note"])] if made.get("note") else []))]
     speed = made.get("held_out_speed") or {}
     rows = []
     for key, configs in speed.items():
@@ -810,7 +813,8 @@ def _made_section(made: dict) -> list:
             rows.append(f"| {key} | {label} | {s['speedup_median']:.2f}x ({s['speedup_min']:.2f}-{s['speedup_max']:.2f}) | "
                         f"{s['tokens_per_step']:.2f} | {s['nodes_per_step']:.1f} |")
     if rows:
-        out += ["", f"Speed against plain decoding on the {speed.get('prompts', 0)} held-out prompts, {speed.get('max_tokens', 0)} new tokens, "
+        source = f" of `{made['held_out_file']}`" if made.get("held_out_file") else ""
+        out += ["", f"Speed against plain decoding on {speed.get('prompts', 0)} held-out prompts{source}, {speed.get('max_tokens', 0)} new tokens, "
                 "batch 1, alternating in one process (the median over prompts, min-max):", "",
                 "| sampling | drafting | speed-up | tokens per step | nodes per step |", "|---|---|---|---|---|", *rows]
     return out

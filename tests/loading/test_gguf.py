@@ -194,6 +194,28 @@ def test_redrafter_parity_on_gemma3_past_its_sliding_window(gemma3_path):
     assert tokens == reference[:32] and len(set(accepted)) > 2
 
 
+def test_the_shipped_gemma3_drafter_is_found_by_the_models_identity_and_keeps_its_output(gemma3_path):
+    """`generate --model <the GGUF file>` drafts with the drafter shipped for
+    Gemma 3 270M, found by the model's identity, and the text is plain
+    decoding's."""
+    import json
+
+    from conftest import ROOT, run_cli
+
+    from redrafter_mlx.loading.loader import SHIPPED_DRAFTERS_DIR, load
+
+    redrafter, tokenizer = load(gemma3_path)
+    assert redrafter.drafter is not None and redrafter.datastore is not None
+    config = json.loads((SHIPPED_DRAFTERS_DIR / "gemma3-270m" / "config.json").read_text())
+    assert config["base_model"]["identity"] == redrafter.identity
+    opening = "The history of the printing press begins in"
+    found = run_cli("generate", "--model", gemma3_path, "--prompt", opening, "--max-tokens", 24, "--json")
+    plain = run_cli("generate", "--model", gemma3_path, "--drafter", "none", "--max-nodes", 0, "--prompt", opening, "--max-tokens", 24, "--json")
+    assert found.returncode == 0 and plain.returncode == 0, found.stderr + plain.stderr
+    assert "no drafter is shipped" not in found.stderr
+    assert json.loads(found.stdout)["tokens"] == json.loads(plain.stdout)["tokens"]
+
+
 def test_gemma3_tokenizer_matches_transformers(gemma3_path, gemma3):
     """SentencePiece merges rebuilt from the vocabulary, user-defined whitespace
     runs and byte fallback agree with transformers' GGUF tokenizer."""
