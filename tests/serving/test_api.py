@@ -51,8 +51,9 @@ def test_without_a_template_a_message_is_plain_text_and_a_conversation_an_error(
 
 def test_the_cost_curve_is_measured_before_the_clock_and_once_per_machine(chat_model, tmp_path, monkeypatch):
     """The first answer on a machine measures the cost curve, before its
-    generation clock starts; the next answers read it from the cache (a
-    normal run does not find it drifting)."""
+    generation clock starts; the next answers read it from the cache. The
+    drift check is held steady here: whether steps follow the curve depends
+    on what else the machine runs (tests/drafting/test_cost.py tests it)."""
     import time
 
     from redrafter_mlx.engine import calibrate
@@ -70,6 +71,7 @@ def test_the_cost_curve_is_measured_before_the_clock_and_once_per_machine(chat_m
 
     monkeypatch.setattr(calibrate, "measure", slow_measure)
     monkeypatch.setattr(calibrate, "cost_curve", measured_cost_curve)
+    monkeypatch.setattr(calibrate.DriftCheck, "drifted", lambda self: False)
     redrafter, tokenizer = load(chat_model[0], chat_model[1])
     tic = time.perf_counter()
     for first in stream_generate(redrafter, tokenizer, "w1 w2", max_tokens=48):
