@@ -4,14 +4,18 @@ to run a pass: ``engine.calibrate``), then cached on disk.
 
 The cost of one forward pass over N new tokens is far from flat on some
 machines (a CPU, a quantized model on a GPU) and nearly flat on others, so
-the tree's size is chosen from this curve (``budget``), not fixed.
+the tree's size is chosen from this curve (``budget``), not fixed. Nor is
+it flat in the context: a block of several tokens reads every committed key
+in each attention layer, which on some machines costs as much as a few more
+tokens would. So the passes are measured behind two contexts, and a step's
+curve is the one for its context (``CostCurve.at``).
 """
 
 import json
 import os
 import platform
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -21,6 +25,12 @@ from ..blas import blas_name
 
 # Node counts measured; the curve is linear between them.
 SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+# Committed tokens behind the measured passes, and behind the second,
+# longer-context measurement of some of the sizes.
+CONTEXT = 128
+LONG_CONTEXT = 512
+LONG_SIZES = (1, 4, 8, 16, 32)
+CONTEXT_STEP = 32  # a step's context is rounded up to this many tokens (one curve per step of it)
 CACHE_ENV = "REDRAFTER_MLX_CACHE"
 
 
@@ -33,13 +43,22 @@ class CostCurve:
     over the tree, committing the path, the host's bookkeeping);
     plain_seconds: one token of pipelined plain decoding (None: a pass of
     one token). A step of n nodes costs ``curve(n) + step_seconds`` (plus
-    ``draft_seconds`` with the RNN); plain decoding ``plain`` a token."""
+    ``draft_seconds`` with the RNN); plain decoding ``plain`` a token.
+
+    context: the committed tokens per row behind ``seconds``;
+    long_sizes, long_seconds: passes of some sizes behind ``long_context``
+    tokens (None: not measured, the curve holds for any context)."""
 
     sizes: list
     seconds: list
     draft_seconds: float = 0.0
     step_seconds: float = 0.0
     plain_seconds: Optional[float] = None
+    context: int = CONTEXT
+    long_context: int = LONG_CONTEXT
+    long_sizes: Optional[list] = None
+    long_seconds: Optional[list] = None
+    _at: dict = field(default_factory=dict, repr=False, compare=False)  # context -> the curve there
 
     @property
     def plain(self) -> float:
@@ -49,16 +68,45 @@ class CostCurve:
     def __call__(self, nodes: int) -> float:
         """Seconds for ``nodes`` new tokens per row, interpolated linearly
         (and extrapolated from the last two sizes)."""
-        sizes, seconds = self.sizes, self.seconds
-        for i in range(1, len(sizes)):
-            if nodes <= sizes[i] or i == len(sizes) - 1:
-                a, b = sizes[i - 1], sizes[i]
-                return seconds[i - 1] + (seconds[i] - seconds[i - 1]) * (nodes - a) / (b - a)
-        return seconds[0]
+        return _interpolate(self.sizes, self.seconds, nodes)
+
+    def at(self, context: int) -> "CostCurve":
+        """This curve for passes behind ``context`` committed tokens per row.
+
+        A pass's attention reads every committed key, so each size's
+        seconds move along the line through the two measured contexts
+        (extrapolated past the longer; never below the shorter's, and more
+        nodes never cost less); a plain token moves as a pass of one token
+        does. Contexts are rounded up to ``CONTEXT_STEP`` tokens, and each
+        one's curve is made once."""
+        if not self.long_seconds or context <= self.context:
+            return self
+        context = -(-context // CONTEXT_STEP) * CONTEXT_STEP
+        curve = self._at.get(context)
+        if curve is None:
+            share = (context - self.context) / (self.long_context - self.context)
+            seconds = []
+            for n, short in zip(self.sizes, self.seconds):
+                moved = short + share * max(_interpolate(self.long_sizes, self.long_seconds, n) - short, 0.0)
+                seconds.append(max([moved, *seconds[-1:]]))
+            plain = None if self.plain_seconds is None else self.plain_seconds + seconds[0] - self.seconds[0]
+            curve = self._at[context] = CostCurve(self.sizes, seconds, self.draft_seconds, self.step_seconds, plain, context)
+        return curve
 
     def relative(self) -> list:
         """Each size's cost over the cost of one token."""
         return [s / self.seconds[0] for s in self.seconds]
+
+
+def _interpolate(sizes: list, seconds: list, nodes: int) -> float:
+    """``seconds`` at ``nodes``, linear between ``sizes`` (and past the last two)."""
+    if len(sizes) == 1:
+        return seconds[0]
+    for i in range(1, len(sizes)):
+        if nodes <= sizes[i] or i == len(sizes) - 1:
+            a, b = sizes[i - 1], sizes[i]
+            return seconds[i - 1] + (seconds[i] - seconds[i - 1]) * (nodes - a) / (b - a)
+    return seconds[0]
 
 
 def machine_key() -> str:
@@ -106,12 +154,15 @@ def cached_curve(key: str, draft_key: Optional[str], measure: Callable[[tuple, b
     if not refresh:
         try:
             entry = data.get(key)
-            # (an entry from before steps were measured lacks their costs: measured again)
-            if entry is not None and not entry.get("stale") and "step_seconds" in entry:
+            # (an entry from before steps, or a longer context, were measured lacks them: measured again)
+            if entry is not None and not entry.get("stale") and "long_seconds" in entry:
                 plain = entry.get("plain_seconds")
                 curve = CostCurve([int(n) for n in entry["sizes"]], [float(t) for t in entry["seconds"]],
-                                  step_seconds=float(entry["step_seconds"]), plain_seconds=None if plain is None else float(plain))
-                if len(curve.sizes) != len(curve.seconds) or len(curve.sizes) < 2:
+                                  step_seconds=float(entry["step_seconds"]), plain_seconds=None if plain is None else float(plain),
+                                  context=int(entry["context"]), long_context=int(entry["long_context"]),
+                                  long_sizes=[int(n) for n in entry["long_sizes"]], long_seconds=[float(t) for t in entry["long_seconds"]])
+                if (len(curve.sizes) != len(curve.seconds) or len(curve.sizes) < 2 or len(curve.long_sizes) != len(curve.long_seconds)
+                        or not curve.long_sizes or curve.long_context <= curve.context):
                     raise ValueError("sizes and seconds differ")
             if draft_key in data:
                 draft = float(data[draft_key]["draft_seconds"])
@@ -123,9 +174,12 @@ def cached_curve(key: str, draft_key: Optional[str], measure: Callable[[tuple, b
         print(f"measuring {what} for this model (a few seconds; cached in {path})...", file=sys.stderr, flush=True)
         measured = measure(SIZES if curve is None else (1,), curve is None)
         if curve is None:
-            curve = CostCurve(measured.sizes, measured.seconds, step_seconds=measured.step_seconds, plain_seconds=measured.plain_seconds)
+            curve = CostCurve(measured.sizes, measured.seconds, step_seconds=measured.step_seconds, plain_seconds=measured.plain_seconds,
+                              context=measured.context, long_context=measured.long_context, long_sizes=measured.long_sizes,
+                              long_seconds=measured.long_seconds)
             data[key] = {"sizes": curve.sizes, "seconds": curve.seconds, "step_seconds": curve.step_seconds,
-                         "plain_seconds": curve.plain_seconds}
+                         "plain_seconds": curve.plain_seconds, "context": curve.context, "long_context": curve.long_context,
+                         "long_sizes": curve.long_sizes, "long_seconds": curve.long_seconds}
         if draft_key:
             draft = measured.draft_seconds
             data[draft_key] = {"draft_seconds": draft}

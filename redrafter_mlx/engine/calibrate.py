@@ -1,8 +1,8 @@
 """Measuring the machine's cost curve: the engine runs verification passes of
-each size (and one beam search) and times them, then decodes a few tokens
-plainly and a few drafting steps to time what a step costs besides its pass;
-``drafting.cost`` keeps the result on disk, keyed by machine, model, dtype,
-batch size and beam shape."""
+each size behind two contexts (and one beam search) and times them, then
+decodes a few tokens plainly and a few drafting steps to time what a step
+costs besides its pass; ``drafting.cost`` keeps the result on disk, keyed
+by machine, model, dtype, batch size and beam shape."""
 
 import statistics
 import sys
@@ -13,11 +13,10 @@ import mlx.core as mx
 import numpy as np
 
 from ..drafting.beam_search import beam_search
-from ..drafting.cost import SIZES, CostCurve, cached_curve, machine_key, mark_stale
+from ..drafting.cost import CONTEXT, LONG_CONTEXT, LONG_SIZES, SIZES, CostCurve, cached_curve, machine_key, mark_stale
 from .prefill import prefill
+from .recurrent import RecurrentCache
 from .types import ReDrafter
-
-CONTEXT = 128  # committed tokens behind the measured passes
 
 
 def _timed(runs: list, repeats: int) -> list[float]:
@@ -40,12 +39,15 @@ def measure(redrafter, batch_size: int, beam_shape: Optional[tuple] = None, repe
     """Time tree passes of every size in ``sizes`` (a chain tree: per-token
     positions and a tree mask, as verification runs; with ``tree`` False, a
     plain causal chunk of as many tokens instead) after CONTEXT committed
-    tokens, and one beam search of ``beam_shape`` (``beam_search``'s
-    beam_width, beam_length and later_rows) when there is a drafter; all of
-    them in turn, ``repeats`` times. With ``step_costs(redrafter, prompts,
-    curve)`` -> (seconds a drafting step costs besides its pass, seconds of
-    a plain token) (the decoder's ``fixed_costs``, which runs real steps),
-    also what the engine's own steps cost."""
+    tokens, and of ``LONG_SIZES`` after LONG_CONTEXT, and one beam search
+    of ``beam_shape`` (``beam_search``'s beam_width, beam_length and
+    later_rows) when there is a drafter; all of them in turn, ``repeats``
+    times. With ``step_costs(redrafter, prompts,
+    curve, pass_seconds)`` -> (seconds a drafting step costs besides its
+    pass, seconds of a plain token) (the decoder's ``fixed_costs``, which
+    runs real steps), also what the engine's own steps cost;
+    ``pass_seconds(n)`` times one tree pass of ``n`` tokens, there and then,
+    so that each step can be held against a pass timed beside it."""
 
     base = redrafter.base
     # Rows of different tokens, so that a mixture of experts reads as many
@@ -54,7 +56,7 @@ def measure(redrafter, batch_size: int, beam_shape: Optional[tuple] = None, repe
     layout, cache, hidden, logits = prefill(base, prompts)
     mx.eval(hidden, logits)  # for a model split over ranks, the prefill's last hops
 
-    def tree_pass(n):
+    def tree_pass(n, layout=layout, cache=cache):
         tokens = mx.array([p[:n] for p in prompts], mx.int32)
         depths = mx.broadcast_to(mx.arange(n, dtype=mx.int32), (batch_size, n))
         mask = mx.broadcast_to(mx.tril(mx.ones((n, n), mx.bool_)), (batch_size, n, n))
@@ -76,18 +78,48 @@ def measure(redrafter, batch_size: int, beam_shape: Optional[tuple] = None, repe
 
         return run
 
-    runs = [tree_pass(n) for n in sizes]
+    long_sizes = [n for n in LONG_SIZES if n in sizes] if len(sizes) > 1 else []
+    long_layout, long_cache = _stretched(base, layout, cache, LONG_CONTEXT // CONTEXT) if long_sizes else (None, None)
+    runs = [tree_pass(n) for n in sizes] + [tree_pass(n, long_layout, long_cache) for n in long_sizes]
     if redrafter.drafter is not None and beam_shape:
         first = mx.zeros((batch_size,), mx.int32)
         runs.append(lambda: mx.eval(beam_search(redrafter.drafter, base.embed, hidden, first, *beam_shape)))
     times = _timed(runs, repeats)
     times = base.ranks.first(times).tolist()  # every rank sizes its trees by the same curve
-    seconds = times[: len(sizes)]
+    seconds, long_seconds = times[: len(sizes)], times[len(sizes) : len(sizes) + len(long_sizes)]
     seconds = [max(seconds[: i + 1]) for i in range(len(seconds))]  # more nodes never cost less
-    curve = CostCurve(list(sizes), seconds, times[len(sizes)] if len(times) > len(sizes) else 0.0)
+    long_seconds = [max(long_seconds[: i + 1]) for i in range(len(long_seconds))]
+    draft = times[len(sizes) + len(long_sizes)] if len(times) > len(sizes) + len(long_sizes) else 0.0
+    curve = CostCurve(list(sizes), seconds, draft, context=CONTEXT, long_context=LONG_CONTEXT, long_sizes=long_sizes or None,
+                      long_seconds=long_seconds or None)
     if step_costs is not None:
-        curve.step_seconds, curve.plain_seconds = (float(t) for t in base.ranks.first(step_costs(redrafter, prompts, curve)))
+        def pass_seconds(n: int) -> float:
+            run = tree_pass(n)
+            tic = time.perf_counter()
+            run()
+            return time.perf_counter() - tic
+
+        costs = step_costs(redrafter, prompts, curve, pass_seconds)
+        curve.step_seconds, curve.plain_seconds = (float(t) for t in base.ranks.first(costs))
     return curve
+
+
+def _stretched(base, layout, cache: list, times: int) -> tuple:
+    """A copy of a prefilled cache (rows of one length, no padding) whose
+    rows hold their committed tokens ``times`` over: what a pass behind a
+    context that long reads, without the prefill it would take (a pass's
+    time does not depend on what the keys hold). Recurrent states are
+    the same whatever the context's length."""
+    long_layout, long_cache = base.make_cache([0] * layout.batch_size)
+    length = layout.start
+    for short, long in zip(cache, long_cache):
+        if isinstance(short, RecurrentCache):
+            long.cache = list(short.cache)
+        elif short.keys is not None:  # (a layer another rank runs keeps nothing)
+            long.keys = mx.concatenate([short.keys[..., :length, :]] * times, axis=2)
+            long.values = mx.concatenate([short.values[..., :length, :]] * times, axis=2)
+    long_layout.lengths[:] = length * times
+    return long_layout, long_cache
 
 
 def curve_key(redrafter: ReDrafter, batch_size: int) -> str:

@@ -22,7 +22,7 @@ positions and no mask, that mlx-lm's own loop feeds.
 
 import statistics
 import time
-from typing import Iterator, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -178,7 +178,8 @@ class Decoder:
             self.refresh_curves()
         # What can pay on this curve is known before the prefill, which
         # runs the first search when the RNN drafts.
-        self.speculator.judge(self.cost(staying + len(prompts)))
+        cost = self.cost(staying + len(prompts))
+        self.speculator.judge(cost if cost is None else cost.at(max(map(len, prompts))))
         joining = [self.tracker.add(p, m, i) for p, m, i in zip(prompts, limits, ids)]
         for r, i in zip(joining, ids):
             self.speculator.track(r, self.tracker.context[r], self.choose.is_sampled(i))
@@ -270,6 +271,8 @@ class Decoder:
         if not tracker.rows:
             return []
         cost = self.cost(len(tracker.rows))  # measured on first use, before the step's clock starts
+        if cost is not None:
+            cost = cost.at(self.layout.start)  # (the keys this step's pass reads)
         tic = time.perf_counter()
         roots = [tracker.context[r][-1] for r in tracker.rows]
         base = self.redrafter.base
@@ -442,35 +445,46 @@ class Decoder:
         return self._finished(outputs)
 
 
-def fixed_costs(redrafter: ReDrafter, prompts: list, curve: CostCurve, tokens: int = 24) -> tuple[float, float]:
+def fixed_costs(redrafter: ReDrafter, prompts: list, curve: CostCurve, pass_seconds: Callable[[int], float], tokens: int = 24) -> tuple[float, float]:
     """(seconds a drafting step costs besides its pass, seconds of one
     pipelined plain token), from the engine's own steps on ``prompts``:
-    plain decoding of ``tokens`` tokens, then drafting steps by context
-    lookup alone (a prompt that repeats itself, so that lookup drafts),
-    each step's time less the pass ``curve`` gives its node count. The
-    medians, after a step of each kind to warm up."""
+    drafting steps by context lookup alone (a prompt that repeats itself,
+    so that lookup drafts), then plain decoding of ``tokens`` tokens.
+
+    The fixed cost is a few percent of a pass where a pass is slow, less
+    than a shared machine's drift between one measurement and the next; so
+    each drafting step is held against a pass of its node count timed right
+    after it (``pass_seconds(n)``, see ``calibrate.measure``), and plain
+    decoding against passes of one token timed around it, scaled to the
+    curve's. The medians, after a step of each kind to warm up."""
     lookup_only = ReDrafter(redrafter.base, None, redrafter.identity)
 
-    def step_times(draft: DraftSettings, prompts: list) -> list[tuple[float, int]]:
+    def run(draft: DraftSettings, prompts: list, beside=None) -> list[tuple[float, float]]:
+        """Each step's (seconds, seconds of ``beside(its node count)`` run right after it)."""
         decoder = Decoder(lookup_only, draft)
         decoder.join(prompts, tokens + 1)
         timed = []
         while True:
             tic = time.perf_counter()
             outputs = decoder.step()
+            seconds = time.perf_counter() - tic
             if not outputs:
                 break
-            timed.append((time.perf_counter() - tic, max((out.num_nodes or 1) for out in outputs)))
+            nodes = max((out.num_nodes or 1) for out in outputs)
+            timed.append((seconds, beside(nodes) if beside else 0.0))
             if any(out.finish_reason for out in outputs):
                 break
         return timed[1:]
 
-    plain = step_times(DraftSettings(max_nodes=0, lookup=False, datastore_beams=0), prompts)
     block = prompts[0][: len(prompts[0]) // 4]
     repeating = [(block * 4)[: len(prompts[0])] for _ in prompts]
-    drafting = step_times(DraftSettings(max_nodes=4, datastore_beams=0), repeating)
-    fixed = statistics.median(max(seconds - curve(nodes), 0.0) for seconds, nodes in drafting) if drafting else 0.0
-    return fixed, statistics.median(seconds for seconds, _ in plain)
+    drafting = run(DraftSettings(max_nodes=4, datastore_beams=0), repeating, pass_seconds)
+    fixed = max(statistics.median(step - alone for step, alone in drafting), 0.0) if drafting else 0.0
+    around = [pass_seconds(1) for _ in range(3)]
+    plain = statistics.median(seconds for seconds, _ in run(DraftSettings(max_nodes=0, lookup=False, datastore_beams=0), prompts))
+    mx.synchronize()  # (the last plain pass may have been issued ahead)
+    around += [pass_seconds(1) for _ in range(3)]
+    return fixed, plain * curve(1) / statistics.median(around)
 
 
 def logprob_lists(logprobs: Optional[tuple], nodes: np.ndarray) -> Optional[list]:

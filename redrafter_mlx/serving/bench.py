@@ -423,6 +423,9 @@ def format_curve(curve) -> str:
     lines = ["verification cost: nodes per row -> ms (relative to 1)"]
     for n, seconds, relative in zip(curve.sizes, curve.seconds, curve.relative()):
         lines.append(f"  {n:3d}: {1000 * seconds:8.2f} ms  {relative:5.2f}x")
+    if curve.long_seconds:
+        long = ", ".join(f"{n}: {1000 * seconds:.2f} ms" for n, seconds in zip(curve.long_sizes, curve.long_seconds))
+        lines.append(f"  the same behind {curve.long_context} tokens instead of {curve.context}: {long}")
     lines.append(f"  a drafting step besides its pass: {1000 * curve.step_seconds:.2f} ms; a plain token: {1000 * curve.plain:.2f} ms")
     if curve.draft_seconds:
         lines.append(f"  RNN beam search: {1000 * curve.draft_seconds:.2f} ms")
@@ -456,5 +459,7 @@ def plot_speedups(results: list[ConfigResult], path: str, title: str) -> None:
 def report(results: list[ConfigResult], settings: dict, env: dict, curve=None) -> dict:
     out = {"environment": env, "settings": settings, "results": [r.summary() for r in results]}
     if curve is not None:
-        out["cost_curve"] = {"sizes": curve.sizes, "seconds": curve.seconds, "draft_seconds": curve.draft_seconds}
+        out["cost_curve"] = {"sizes": curve.sizes, "seconds": curve.seconds, "draft_seconds": curve.draft_seconds,
+                             "step_seconds": curve.step_seconds, "plain_seconds": curve.plain, "context": curve.context,
+                             "long_context": curve.long_context, "long_sizes": curve.long_sizes, "long_seconds": curve.long_seconds}
     return out

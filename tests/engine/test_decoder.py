@@ -254,3 +254,27 @@ def test_plain_steps_run_ahead_and_equal_plain_decoding_with_rows_joining_and_le
         ahead.append(decoder.ahead is not None)
     assert [got[i] for i in range(3)] == plain
     assert any(ahead) == ("repetition_penalty" not in settings)
+
+
+def test_each_step_is_sized_by_the_curve_at_its_context():
+    """Where a pass behind a long context costs far more, a prompt that
+    long decodes plainly from its first step, while a short one drafts; the
+    tokens are the same as plain decoding's either way."""
+    from redrafter_mlx.drafting.cost import CostCurve
+
+    model = tiny_model()
+    base = BaseModel(model)
+    redrafter = ReDrafter(base, None)
+    curve = CostCurve([1, 2, 4, 8, 16], [1.0, 1.01, 1.02, 1.03, 1.05], long_sizes=[1, 16], long_seconds=[1.0, 50.0])
+    short = [5, 6, 7, 8] * 8  # lookup drafts the repeats
+    long = (short * 20)[:600]
+    for prompt, drafts in ((short, True), (long, False)):
+        decoder = Decoder(redrafter, DraftSettings(), cost_curve=curve)
+        outputs = decoder.join([prompt], 24)
+        tokens, drafted = [], False
+        while outputs:
+            tokens += [t for out in outputs for t in out.tokens]
+            drafted |= any((out.num_nodes or 1) > 1 for out in outputs)
+            outputs = decoder.step()
+        assert drafted == drafts
+        assert tokens == mlx_lm_greedy(model, prompt, 24)
