@@ -197,7 +197,10 @@ class OracleDrafter:
         depth = mx.zeros(token_embeddings.shape[:-1] + (1,)) if state is None else state
         return depth + 1
 
-    def log_probs(self, hidden, state, rows=None):
+    def read_hidden(self, hidden):
+        return hidden
+
+    def search_log_probs(self, hidden, state, rows=None):
         distance = ((hidden[..., None, :] - self.hidden) ** 2).sum(-1)  # (..., T)
         position = mx.argmin(distance, axis=-1)
         depth = state[..., 0].astype(mx.int32)

@@ -4,12 +4,30 @@ All beams of all rows advance together; nothing here reads a value back to
 the host, so a whole search is one lazy graph.
 """
 
-from typing import Callable, Optional
+from typing import Callable, Optional, Protocol
 
 import mlx.core as mx
 
-from .drafter import Drafter
 from .tree import NO_TOKEN
+
+
+class SearchDrafter(Protocol):
+    """What the search asks of a drafter (``drafter.Drafter``; tests pass
+    doubles that draft known sequences)."""
+
+    draft_vocab_size: int
+
+    def update_state(self, token_embeddings: mx.array, state: Optional[mx.array]) -> mx.array:
+        """One RNN step, (..., hidden_size); ``state`` None: the initial state."""
+
+    def read_hidden(self, hidden: mx.array) -> mx.array:
+        """h's share of every depth, worked out once per search."""
+
+    def search_log_probs(self, read: mx.array, state: mx.array, rows: Optional[int] = None) -> mx.array:
+        """Log-probabilities over the draft vocabulary (or its first ``rows``)."""
+
+    def token_ids(self, draft_indices: mx.array) -> mx.array:
+        """Base-model token ids of draft-vocabulary indices."""
 
 
 def _top_k(scores: mx.array, k: int) -> mx.array:
@@ -21,7 +39,7 @@ def _top_k(scores: mx.array, k: int) -> mx.array:
 
 
 def beam_search(
-    drafter: Drafter,
+    drafter: SearchDrafter,
     embed: Callable[[mx.array], mx.array],
     hidden: mx.array,
     first_tokens: mx.array,
@@ -64,11 +82,11 @@ def beam_search(
     """
     batch = first_tokens.shape[0]
     width = min(beam_width, drafter.draft_vocab_size, first_rows or beam_width)
-    hidden = hidden[:, None, :]
+    hidden = drafter.read_hidden(hidden)[:, None, :]  # (B, 1, E): h's share of every depth, once
 
     # The first drafted token: one beam expands into `width` beams.
     state = drafter.update_state(embed(first_tokens)[:, None, :], None)  # (B, 1, D)
-    logprobs = drafter.log_probs(hidden, state, first_rows)[:, 0]  # (B, V or first_rows)
+    logprobs = drafter.search_log_probs(hidden, state, first_rows)[:, 0]  # (B, V or first_rows)
     draft_index = _top_k(logprobs, width)  # (B, W)
     scores = mx.take_along_axis(logprobs, draft_index, axis=-1)
     tokens = drafter.token_ids(draft_index).astype(mx.int32)
@@ -81,10 +99,7 @@ def beam_search(
     for _ in range(beam_length - 2):
         held.append((beams, token_logprobs))
         state = drafter.update_state(embed(beams[..., -1]), state)  # (B, W, D)
-        if later_rows is None:
-            logprobs = drafter.log_probs(hidden, state)  # (B, W, V)
-        else:
-            logprobs = drafter.log_probs(hidden, state, later_rows)  # (B, W, later_rows)
+        logprobs = drafter.search_log_probs(hidden, state, later_rows)  # (B, W, V or later_rows)
         vocab = logprobs.shape[-1]
         candidates = (scores[..., None] + logprobs).reshape(batch, -1)  # (B, W*V)
         best = _top_k(candidates, width)  # (B, W)

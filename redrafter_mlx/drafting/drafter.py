@@ -86,6 +86,7 @@ class Drafter(nn.Module):
             self.rnn_w = nn.Linear(args.hidden_size, args.hidden_size, bias=False)
         if args.draft_vocab_size:
             self.draft_token_ids = mx.zeros((args.draft_vocab_size,), mx.int32)
+        self._halves = _InputHalves()
 
     @property
     def draft_vocab_size(self) -> int:
@@ -118,27 +119,71 @@ class Drafter(nn.Module):
             x = layer(x)
         return x
 
+    def read_hidden(self, hidden: mx.array) -> mx.array:
+        """What every depth of a search takes from h, worked out once:
+        (..., hidden_size) -> (..., exit_dim), input_proj's product with h
+        plus its bias (each depth then adds the product with its state, a
+        projection half the size of input_proj); h itself where the
+        drafter has no input_proj."""
+        if "input_proj" not in self:
+            return hidden
+        return hidden @ self._halves.of(self.input_proj.weight, self.args.hidden_size)[0].T + self.input_proj.bias
+
+    def search_log_probs(self, read: mx.array, state: mx.array, rows: Optional[int] = None) -> mx.array:
+        """``log_probs`` from ``read_hidden(hidden)``, (..., exit_dim or
+        hidden_size) and ``state`` (..., hidden_size)."""
+        if "input_proj" in self:
+            x = read + state @ self._halves.of(self.input_proj.weight, self.args.hidden_size)[1].T
+        else:
+            x = mx.concatenate([read, state], axis=-1)
+        for layer in self.lm_head[:-1]:
+            x = layer(x)
+        return self._normalised(self._project(x, rows))
+
+    def _project(self, features: mx.array, rows: Optional[int]) -> mx.array:
+        projection = self.lm_head[-1]
+        if rows is None or rows >= self.draft_vocab_size:
+            return projection(features)
+        return features @ projection.weight[:rows].T
+
+    @staticmethod
+    def _normalised(logits: mx.array) -> mx.array:
+        logits = logits.astype(mx.float32)
+        return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
     def draft_logits(self, hidden: mx.array, state: mx.array, rows: Optional[int] = None) -> mx.array:
         """Logits over the draft vocabulary. ``hidden``, ``state``:
         (..., hidden_size) -> (..., draft_vocab_size or vocab_size), or over
         its first ``rows`` entries only: (..., rows)."""
-        projection = self.lm_head[-1]
-        if rows is None or rows >= self.draft_vocab_size:
-            return projection(self.features(hidden, state))
-        return self.features(hidden, state) @ projection.weight[:rows].T
+        return self._project(self.features(hidden, state), rows)
 
     def log_probs(self, hidden: mx.array, state: mx.array, rows: Optional[int] = None) -> mx.array:
         """Log-probabilities over the draft vocabulary, (..., draft_vocab), in
         float32, or over its first ``rows`` entries, normalised over them.
         Map indices to token ids with ``token_ids``."""
-        logits = self.draft_logits(hidden, state, rows).astype(mx.float32)
-        return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        return self._normalised(self.draft_logits(hidden, state, rows))
 
     def token_ids(self, draft_indices: mx.array) -> mx.array:
         """Base-model token ids of draft-vocabulary indices (same shape)."""
         if not self.args.draft_vocab_size:
             return draft_indices
         return self.draft_token_ids[draft_indices]
+
+
+class _InputHalves:
+    """input_proj's weight (exit_dim, 2 * hidden_size) split into its h and
+    state halves, each contiguous (a product with a slice of the weight
+    would copy the slice every time), split again whenever the weight is
+    another array (loaded, trained, cast)."""
+
+    def __init__(self):
+        self.weight = self.halves = None
+
+    def of(self, weight: mx.array, hidden_size: int) -> tuple[mx.array, mx.array]:
+        if self.weight is not weight:
+            self.weight = weight
+            self.halves = mx.contiguous(weight[:, :hidden_size]), mx.contiguous(weight[:, hidden_size:])
+        return self.halves
 
 
 def check_compatible(args: DrafterArgs, hidden_size: int, vocab_size: int) -> None:

@@ -7,9 +7,11 @@ from typing import Optional
 from ..errors import UserError
 
 LOOKUP_LENGTH = 16  # a copy that is right tends to stay right, so lookup drafts further than the beams
-LATER_VOCAB = 2048  # rows of a frequency-sorted draft vocabulary the beams' later tokens come from
-# ... and their first: the search's costliest projection, at no measured cost
-# in tokens per step (bench/results/drafter/first-vocab.md).
+# Rows of a frequency-sorted draft vocabulary the beams' later tokens come
+# from, and their first: the vocabulary projection is the search's costliest
+# op, and these cut it at no measured cost in tokens per step
+# (bench/results/drafter/draft-vocab.md).
+LATER_VOCAB = 1024
 FIRST_VOCAB = 2048
 
 

@@ -5,6 +5,7 @@ import json
 import mlx.core as mx
 import numpy as np
 import pytest
+from mlx.utils import tree_flatten
 from conftest import tiny_drafter
 
 from redrafter_mlx.drafting.drafter import check_compatible, load_drafter, save_drafter
@@ -114,3 +115,18 @@ def test_bad_drafter_folders(tmp_path):
     (tmp_path / "f" / "config.json").write_text(json.dumps(dict(config, num_draft_layers=2)))
     with pytest.raises(UserError, match="do not match its config"):
         load_drafter(str(tmp_path / "f"))
+
+
+@pytest.mark.parametrize("exit_dim", [48, 128])
+def test_a_search_reads_h_once_and_drafts_as_the_whole_projection_does(exit_dim):
+    """``search_log_probs(read_hidden(h), s)`` is ``log_probs(h, s)`` (128 =
+    2 * hidden: no input_proj), also over the first rows, and follows the
+    weights when they change."""
+    drafter = tiny_drafter(seed=3, exit_dim=exit_dim, layers=1, draft_vocab=32)
+    h, s = mx.random.normal((2, 3, 64)), mx.random.normal((2, 3, 64))
+    for rows in (None, 8):
+        assert mx.allclose(drafter.search_log_probs(drafter.read_hidden(h), s, rows), drafter.log_probs(h, s, rows), atol=1e-5)
+    if exit_dim != 128:
+        drafter.input_proj.weight = 2 * drafter.input_proj.weight
+        assert mx.allclose(drafter.search_log_probs(drafter.read_hidden(h), s), drafter.log_probs(h, s), atol=1e-5)
+    assert not [k for k, _ in tree_flatten(drafter.parameters()) if k.startswith("_")]  # the split halves are not saved

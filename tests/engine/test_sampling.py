@@ -41,7 +41,10 @@ class FixedDrafter:
     def update_state(self, token_embeddings, state):
         return mx.zeros(token_embeddings.shape[:-1] + (1,))
 
-    def log_probs(self, hidden, state, rows=None):
+    def read_hidden(self, hidden):
+        return hidden
+
+    def search_log_probs(self, hidden, state, rows=None):
         return mx.broadcast_to(self.logprobs, state.shape[:-1] + self.logprobs.shape)
 
     def token_ids(self, draft_indices):
