@@ -93,6 +93,25 @@ class CostCurve:
             curve = self._at[context] = CostCurve(self.sizes, seconds, self.draft_seconds, self.step_seconds, plain, context)
         return curve
 
+    def entry(self) -> dict:
+        """What the disk cache keeps of a measured curve (the search's
+        seconds are kept apart, per drafter and beam shape)."""
+        return {"sizes": self.sizes, "seconds": self.seconds, "step_seconds": self.step_seconds, "plain_seconds": self.plain_seconds,
+                "context": self.context, "long_context": self.long_context, "long_sizes": self.long_sizes, "long_seconds": self.long_seconds}
+
+    @classmethod
+    def from_entry(cls, entry: dict) -> "CostCurve":
+        """A cached ``entry()``; ``ValueError`` (or ``KeyError``, ``TypeError``) when it is not one."""
+        plain = entry.get("plain_seconds")
+        curve = cls([int(n) for n in entry["sizes"]], [float(t) for t in entry["seconds"]], step_seconds=float(entry["step_seconds"]),
+                    plain_seconds=None if plain is None else float(plain), context=int(entry["context"]),
+                    long_context=int(entry["long_context"]), long_sizes=[int(n) for n in entry["long_sizes"]],
+                    long_seconds=[float(t) for t in entry["long_seconds"]])
+        if (len(curve.sizes) != len(curve.seconds) or len(curve.sizes) < 2 or len(curve.long_sizes) != len(curve.long_seconds)
+                or not curve.long_sizes or curve.long_context <= curve.context):
+            raise ValueError("sizes and seconds differ")
+        return curve
+
     def relative(self) -> list:
         """Each size's cost over the cost of one token."""
         return [s / self.seconds[0] for s in self.seconds]
@@ -156,14 +175,7 @@ def cached_curve(key: str, draft_key: Optional[str], measure: Callable[[tuple, b
             entry = data.get(key)
             # (an entry from before steps, or a longer context, were measured lacks them: measured again)
             if entry is not None and not entry.get("stale") and "long_seconds" in entry:
-                plain = entry.get("plain_seconds")
-                curve = CostCurve([int(n) for n in entry["sizes"]], [float(t) for t in entry["seconds"]],
-                                  step_seconds=float(entry["step_seconds"]), plain_seconds=None if plain is None else float(plain),
-                                  context=int(entry["context"]), long_context=int(entry["long_context"]),
-                                  long_sizes=[int(n) for n in entry["long_sizes"]], long_seconds=[float(t) for t in entry["long_seconds"]])
-                if (len(curve.sizes) != len(curve.seconds) or len(curve.sizes) < 2 or len(curve.long_sizes) != len(curve.long_seconds)
-                        or not curve.long_sizes or curve.long_context <= curve.context):
-                    raise ValueError("sizes and seconds differ")
+                curve = CostCurve.from_entry(entry)
             if draft_key in data:
                 draft = float(data[draft_key]["draft_seconds"])
         except (KeyError, TypeError, ValueError) as e:
@@ -174,12 +186,8 @@ def cached_curve(key: str, draft_key: Optional[str], measure: Callable[[tuple, b
         print(f"measuring {what} for this model (a few seconds; cached in {path})...", file=sys.stderr, flush=True)
         measured = measure(SIZES if curve is None else (1,), curve is None)
         if curve is None:
-            curve = CostCurve(measured.sizes, measured.seconds, step_seconds=measured.step_seconds, plain_seconds=measured.plain_seconds,
-                              context=measured.context, long_context=measured.long_context, long_sizes=measured.long_sizes,
-                              long_seconds=measured.long_seconds)
-            data[key] = {"sizes": curve.sizes, "seconds": curve.seconds, "step_seconds": curve.step_seconds,
-                         "plain_seconds": curve.plain_seconds, "context": curve.context, "long_context": curve.long_context,
-                         "long_sizes": curve.long_sizes, "long_seconds": curve.long_seconds}
+            curve = measured
+            data[key] = curve.entry()
         if draft_key:
             draft = measured.draft_seconds
             data[draft_key] = {"draft_seconds": draft}
