@@ -124,8 +124,13 @@ def _stretched(base, layout, cache: list, times: int) -> tuple:
     return long_layout, long_cache
 
 
+# Bumped whenever the engine's verification pass changes what it costs, so
+# that curves cached by an earlier engine are measured again.
+PASS_REVISION = 2
+
+
 def curve_key(redrafter: ReDrafter, batch_size: int) -> str:
-    return f"{machine_key()}|model {redrafter.identity}|{redrafter.base.dtype}|batch {batch_size}"
+    return f"{machine_key()}|pass {PASS_REVISION}|model {redrafter.identity}|{redrafter.base.dtype}|batch {batch_size}"
 
 
 def cost_curve(redrafter: ReDrafter, batch_size: int, beam_shape: Optional[tuple] = None, refresh: bool = False,
