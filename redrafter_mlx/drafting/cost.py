@@ -14,6 +14,7 @@ curve is the one for its context (``CostCurve.at``).
 import json
 import os
 import platform
+import statistics
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +33,9 @@ LONG_CONTEXT = 512
 LONG_SIZES = (1, 4, 8, 16, 32)
 CONTEXT_STEP = 32  # a step's context is rounded up to this many tokens (one curve per step of it)
 CACHE_ENV = "REDRAFTER_MLX_CACHE"
+# A curve measured again that lies within this share of the one it replaces
+# (the median over its sizes) is the same curve: the machine did not change.
+AGREEMENT = 0.15
 
 
 @dataclass
@@ -47,7 +51,14 @@ class CostCurve:
 
     context: the committed tokens per row behind ``seconds``;
     long_sizes, long_seconds: passes of some sizes behind ``long_context``
-    tokens (None: not measured, the curve holds for any context)."""
+    tokens (None: not measured, the curve holds for any context).
+
+    confirmed: how many times in a row measuring again (after real steps
+    drifted from it) gave this curve back (``agrees``): where so, steps
+    that run below it do so by the way they run (a small model's passes,
+    repeated back to back, may find its weights in the processor's caches,
+    where the measurement takes its sizes in turn), not because the
+    machine changed."""
 
     sizes: list
     seconds: list
@@ -58,6 +69,7 @@ class CostCurve:
     long_context: int = LONG_CONTEXT
     long_sizes: Optional[list] = None
     long_seconds: Optional[list] = None
+    confirmed: int = 0
     _at: dict = field(default_factory=dict, repr=False, compare=False)  # context -> the curve there
 
     @property
@@ -90,14 +102,16 @@ class CostCurve:
                 moved = short + share * max(_interpolate(self.long_sizes, self.long_seconds, n) - short, 0.0)
                 seconds.append(max([moved, *seconds[-1:]]))
             plain = None if self.plain_seconds is None else self.plain_seconds + seconds[0] - self.seconds[0]
-            curve = self._at[context] = CostCurve(self.sizes, seconds, self.draft_seconds, self.step_seconds, plain, context)
+            curve = self._at[context] = CostCurve(self.sizes, seconds, self.draft_seconds, self.step_seconds, plain, context,
+                                                  confirmed=self.confirmed)
         return curve
 
     def entry(self) -> dict:
         """What the disk cache keeps of a measured curve (the search's
         seconds are kept apart, per drafter and beam shape)."""
         return {"sizes": self.sizes, "seconds": self.seconds, "step_seconds": self.step_seconds, "plain_seconds": self.plain_seconds,
-                "context": self.context, "long_context": self.long_context, "long_sizes": self.long_sizes, "long_seconds": self.long_seconds}
+                "context": self.context, "long_context": self.long_context, "long_sizes": self.long_sizes, "long_seconds": self.long_seconds,
+                "confirmed": self.confirmed}
 
     @classmethod
     def from_entry(cls, entry: dict) -> "CostCurve":
@@ -106,11 +120,19 @@ class CostCurve:
         curve = cls([int(n) for n in entry["sizes"]], [float(t) for t in entry["seconds"]], step_seconds=float(entry["step_seconds"]),
                     plain_seconds=None if plain is None else float(plain), context=int(entry["context"]),
                     long_context=int(entry["long_context"]), long_sizes=[int(n) for n in entry["long_sizes"]],
-                    long_seconds=[float(t) for t in entry["long_seconds"]])
+                    long_seconds=[float(t) for t in entry["long_seconds"]], confirmed=int(entry.get("confirmed", 0)))
         if (len(curve.sizes) != len(curve.seconds) or len(curve.sizes) < 2 or len(curve.long_sizes) != len(curve.long_seconds)
                 or not curve.long_sizes or curve.long_context <= curve.context):
             raise ValueError("sizes and seconds differ")
         return curve
+
+    def agrees(self, other: "CostCurve") -> bool:
+        """Whether ``other`` measured the same sizes at, in the median over
+        the sizes, within ``AGREEMENT`` of these seconds (a changed machine
+        moves every size; noise moves a few)."""
+        if self.sizes != other.sizes:
+            return False
+        return abs(statistics.median(b / a for a, b in zip(self.seconds, other.seconds)) - 1) <= AGREEMENT
 
     def relative(self) -> list:
         """Each size's cost over the cost of one token."""
@@ -170,6 +192,11 @@ def cached_curve(key: str, draft_key: Optional[str], measure: Callable[[tuple, b
     path = cache_path()
     data = _read_cache(path)
     curve = draft = None
+    replaced = None  # the entry a new measurement replaces, when it is one
+    try:
+        replaced = CostCurve.from_entry(data[key]) if isinstance(data.get(key), dict) else None
+    except (KeyError, TypeError, ValueError):
+        pass
     if not refresh:
         try:
             entry = data.get(key)
@@ -187,6 +214,8 @@ def cached_curve(key: str, draft_key: Optional[str], measure: Callable[[tuple, b
         measured = measure(SIZES if curve is None else (1,), curve is None)
         if curve is None:
             curve = measured
+            if replaced is not None and replaced.agrees(curve):
+                curve.confirmed = replaced.confirmed + 1
             data[key] = curve.entry()
         if draft_key:
             draft = measured.draft_seconds

@@ -166,14 +166,19 @@ class DriftCheck:
     running ratio per range of node counts, and for plain steps apart. The
     curve has drifted when steps run well below it (it was measured on a
     busier machine), far above it, or when the ranges of drafting steps
-    disagree (its shape is wrong, which misleads the node budget)."""
+    disagree (its shape is wrong, which misleads the node budget).
+
+    low: whether steps well below the curve count; not for a curve that
+    measuring again gave back (``CostCurve.confirmed``), which steps run
+    below by the way they run, however often it is measured."""
 
     BOUNDS = (2, 5, 10)  # node counts per row up to 2, 3-5, 6-10, more
     LOW, HIGH, SHAPE = 0.75, 2.0, 1.4  # tolerated ratios, and between ranges
     SEEN = 8  # steps a range needs before it counts
     MEMORY = 0.9
 
-    def __init__(self):
+    def __init__(self, low: bool = True):
+        self.low = low
         self.ratios, self.counts = {}, {}
 
     def add(self, nodes: int, seconds: float, predicted: float, plain: bool = False) -> None:
@@ -188,4 +193,4 @@ class DriftCheck:
             return False
         trees = [r for b, r in seen.items() if b != "plain"]
         shape = len(trees) > 1 and max(trees) / min(trees) > self.SHAPE
-        return min(seen.values()) < self.LOW or max(seen.values()) > self.HIGH or shape
+        return (self.low and min(seen.values()) < self.LOW) or max(seen.values()) > self.HIGH or shape

@@ -124,7 +124,7 @@ class Decoder:
             shape = self.draft.search_shape(self.redrafter.drafter) if self.redrafter.drafter else None
             self.costs[size] = calibrate.cost_curve(self.redrafter, size, shape, refresh=size in self.stale, step_costs=fixed_costs)
             self.stale.discard(size)
-            self.drift[size] = calibrate.DriftCheck()
+            self.drift[size] = calibrate.DriftCheck(low=not self.costs[size].confirmed)
         return self.costs[size]
 
     def refresh_curves(self) -> None:

@@ -90,3 +90,41 @@ def test_the_drift_check_holds_plain_steps_apart_and_finds_a_busier_machine():
     for _ in range(20):
         freer.add(8, 0.5, 1.0)
     assert freer.drifted()
+
+
+def test_a_curve_measured_again_and_found_the_same_is_confirmed(tmp_path, monkeypatch, capsys):
+    from redrafter_mlx.drafting.cost import cached_curve, mark_stale
+
+    monkeypatch.setenv("REDRAFTER_MLX_CACHE", str(tmp_path))
+    measured = []
+
+    def measure(scale):
+        def run(sizes, steps):
+            curve = CostCurve([1, 4, 8], [scale * 1.0, scale * 1.2, scale * 1.6], long_sizes=[1, 8], long_seconds=[scale * 1.1, scale * 2.0])
+            measured.append(curve)
+            return curve
+        return run
+
+    first = cached_curve("k", None, measure(1.0))
+    assert first.confirmed == 0
+    mark_stale("k")  # steps drifted from it
+    again = cached_curve("k", None, measure(1.05))  # the same machine, measured a little differently
+    assert again.confirmed == 1 and cached_curve("k", None, measure(1.0)).confirmed == 1  # kept on disk
+    assert len(measured) == 2
+    mark_stale("k")
+    changed = cached_curve("k", None, measure(1.6))  # the machine did change
+    assert changed.confirmed == 0 and len(measured) == 3
+    assert CostCurve([1, 4], [1.0, 2.0]).agrees(CostCurve([1, 4], [1.3, 2.0]))  # one size off: noise
+    assert not CostCurve([1, 4], [1.0, 2.0]).agrees(CostCurve([1, 4, 8], [1.0, 2.0, 3.0]))
+
+
+def test_a_confirmed_curve_is_not_found_drifting_by_steps_below_it():
+    from redrafter_mlx.engine.calibrate import DriftCheck
+
+    confirmed = DriftCheck(low=False)
+    for _ in range(20):
+        confirmed.add(1, 0.5, 1.0, plain=True)
+    assert not confirmed.drifted()
+    for _ in range(40):
+        confirmed.add(1, 2.6, 1.0, plain=True)  # a busier machine still counts
+    assert confirmed.drifted()
