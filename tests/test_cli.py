@@ -424,7 +424,9 @@ def test_distill_answers_a_prompt_log_and_the_log_option_fails_cleanly(chat_mode
 
 
 def test_version_and_shell_completion_in_a_throw_away_home(tmp_path):
-    home = {"HOME": str(tmp_path), "SHELL": "/bin/bash"}
+    # The shell as named on the command line: Typer otherwise detects it from
+    # the process's parents, and a test run's parents need not hold a shell.
+    home = {"HOME": str(tmp_path), "SHELL": "/bin/bash", "_TYPER_COMPLETE_TEST_DISABLE_SHELL_DETECTION": "1"}
     version = run_cli("--version", env=home)
     assert version.returncode == 0 and version.stdout.strip() == "redrafter-mlx 0.1.0"
     shown = run_cli("--show-completion", "bash", env=home)

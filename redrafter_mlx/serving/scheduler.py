@@ -127,7 +127,12 @@ class Scheduler:
         """Start the engine thread; it measures (or reads) the cost curves
         first, and this returns once it is ready."""
         self.thread.start()
-        self.ready.wait()
+        # Waited for in short slices: a SIGTERM the kernel hands to another
+        # thread runs its Python handler only once this (the main) thread
+        # runs Python again, which an untimed wait would put off until the
+        # measurement ends.
+        while not self.ready.wait(0.1):
+            pass
         if self.startup_error is not None:
             raise self.startup_error
 
