@@ -12,10 +12,15 @@ tree step asks each distinct RoPE module for its matrices once, at every
 node's position, (B, N, D, D); each attention layer then rotates its
 queries and keys by one batched matmul. Every layer of a model usually
 rotates alike (Gemma's local and global layers are two kinds), so the
-matrices are made once or twice a step, not twice per layer. Rotating
-token by token through the module itself costs far more here: each token
-becomes a row of its own, and the module's per-call work is repeated in
-every layer.
+matrices are made once or twice a step, not twice per layer.
+
+That is for MLX's CPU backend, where a RoPE module is a composite of about
+a dozen small ops, which rotating token by token would repeat for every
+token row in every layer. Where RoPE is one fused kernel (a GPU), each
+token is instead rotated as a row of its own by the module itself (one
+kernel per call, the module's own arithmetic in its own precision), since
+the matrices would add casts to and from float32 around every call in a
+half-precision model.
 """
 
 from typing import Optional
@@ -72,23 +77,40 @@ class Rotations:
         return made[1]
 
 
+def matrices_pay() -> bool:
+    """Whether tree tokens are rotated by matrices on the default device
+    (its CPU backend) rather than token by token through the module."""
+    return mx.default_device().type == mx.cpu
+
+
 class TreeRoPE(nn.Module):
     """Wraps a model's RoPE module so that an ``offset`` of shape (B, N) gives
-    each token its own position: (B, H, N, D) queries or keys, each token's
-    heads times its position's matrix (``Rotations``). Any other offset
-    passes straight through to the module."""
+    each token its own position in (B, H, N, D) queries or keys. Any other
+    offset passes straight through to the module.
 
-    def __init__(self, rope: nn.Module, rotations: Rotations):
+    by_matrices: each token's heads times its position's matrix
+    (``Rotations``), or each token rotated as a row of its own by the
+    module, (B, H, N, D) -> (B*N, H, 1, D) and back; None: as
+    ``matrices_pay`` says for the device."""
+
+    def __init__(self, rope: nn.Module, rotations: Rotations, by_matrices: Optional[bool] = None):
         super().__init__()
         self.rope = rope
         self.rotations = rotations
+        self.by_matrices = by_matrices
 
     def __call__(self, x: mx.array, offset=0):
         if not (isinstance(offset, mx.array) and offset.ndim == 2):
             return self.rope(x, offset=offset)
-        matrices = self.rotations(self.rope, offset, x.shape[-1])  # (B, N, D, D)
-        rows = x.transpose(0, 2, 1, 3).astype(mx.float32)  # (B, N, H, D)
-        return (rows @ matrices).astype(x.dtype).transpose(0, 2, 1, 3)
+        by_matrices = matrices_pay() if self.by_matrices is None else self.by_matrices
+        if by_matrices:
+            matrices = self.rotations(self.rope, offset, x.shape[-1])  # (B, N, D, D)
+            rows = x.transpose(0, 2, 1, 3).astype(mx.float32)  # (B, N, H, D)
+            return (rows @ matrices).astype(x.dtype).transpose(0, 2, 1, 3)
+        batch, heads, num_tokens, dim = x.shape
+        rows = x.transpose(0, 2, 1, 3).reshape(batch * num_tokens, heads, 1, dim)
+        rotated = self.rope(rows, offset=offset.reshape(-1))
+        return rotated.reshape(batch, num_tokens, heads, dim).transpose(0, 2, 1, 3)
 
 
 def is_rope(module: nn.Module) -> bool:

@@ -92,7 +92,7 @@ def test_the_drift_check_holds_plain_steps_apart_and_finds_a_busier_machine():
     assert freer.drifted()
 
 
-def test_a_curve_measured_again_and_found_the_same_is_confirmed(tmp_path, monkeypatch, capsys):
+def test_a_curve_measured_again_and_found_the_same_is_confirmed(tmp_path, monkeypatch):
     from redrafter_mlx.drafting.cost import cached_curve, mark_stale
 
     monkeypatch.setenv("REDRAFTER_MLX_CACHE", str(tmp_path))
@@ -114,7 +114,7 @@ def test_a_curve_measured_again_and_found_the_same_is_confirmed(tmp_path, monkey
     mark_stale("k")
     changed = cached_curve("k", None, measure(1.6))  # the machine did change
     assert changed.confirmed == 0 and len(measured) == 3
-    assert CostCurve([1, 4], [1.0, 2.0]).agrees(CostCurve([1, 4], [1.3, 2.0]))  # one size off: noise
+    assert CostCurve([1, 4, 8], [1.0, 2.0, 3.0]).agrees(CostCurve([1, 4, 8], [1.5, 2.0, 3.1]))  # one size off: noise
     assert not CostCurve([1, 4], [1.0, 2.0]).agrees(CostCurve([1, 4, 8], [1.0, 2.0, 3.0]))
 
 

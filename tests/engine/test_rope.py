@@ -35,10 +35,11 @@ def one_by_one(rope, x, positions):
     return mx.concatenate(rows)
 
 
+@pytest.mark.parametrize("by_matrices", [True, False], ids=["matrices", "rows"])
 @pytest.mark.parametrize("name", sorted(ROPES))
-def test_a_token_is_rotated_as_the_module_rotates_it_at_its_position(name):
+def test_a_token_is_rotated_as_the_module_rotates_it_at_its_position(name, by_matrices):
     rope = ROPES[name]()
-    tree = TreeRoPE(rope, Rotations())
+    tree = TreeRoPE(rope, Rotations(), by_matrices=by_matrices)
     positions = np.array([[40, 41, 41, 42, 43, 42], [3, 4, 4, 5, 900, 5]])
     x = mx.random.normal((2, 3, positions.shape[1], HEAD_DIM), key=mx.random.key(0))
     got = tree(x, offset=mx.array(positions, mx.int32))
@@ -46,11 +47,12 @@ def test_a_token_is_rotated_as_the_module_rotates_it_at_its_position(name):
     np.testing.assert_allclose(np.array(got), np.array(one_by_one(rope, x, positions)), atol=2e-5, rtol=1e-5)
 
 
-def test_a_half_precision_input_keeps_its_dtype():
+@pytest.mark.parametrize("by_matrices", [True, False], ids=["matrices", "rows"])
+def test_a_half_precision_input_keeps_its_dtype(by_matrices):
     rope = nn.RoPE(HEAD_DIM, base=10000)
     positions = np.array([[7, 8, 8, 9]])
     x = mx.random.normal((1, 2, 4, HEAD_DIM), key=mx.random.key(1)).astype(mx.float16)
-    got = TreeRoPE(rope, Rotations())(x, offset=mx.array(positions, mx.int32))
+    got = TreeRoPE(rope, Rotations(), by_matrices=by_matrices)(x, offset=mx.array(positions, mx.int32))
     assert got.dtype == mx.float16
     expected = one_by_one(rope, x.astype(mx.float32), positions)
     np.testing.assert_allclose(np.array(got.astype(mx.float32)), np.array(expected), atol=1e-2)
@@ -96,3 +98,25 @@ def test_install_wraps_every_rope_module_once_with_one_rotations():
     assert wrapped[0].rotations is wrapped[1].rotations is wrapped[2].rotations
     assert install_tree_rope(model) == 3  # installing again wraps nothing twice
     assert all(not isinstance(layer.rope.rope, TreeRoPE) for layer in model.layers)
+
+
+def test_the_device_decides_by_default(monkeypatch):
+    """Matrices on the CPU backend, the module's own rotation elsewhere."""
+    import redrafter_mlx.engine.rope as rope_module
+
+    made = []
+
+    class Counting(Rotations):
+        def __call__(self, rope, offset, dim):
+            made.append(dim)
+            return super().__call__(rope, offset, dim)
+
+    tree = TreeRoPE(nn.RoPE(HEAD_DIM, base=10000), Counting())
+    x = mx.random.normal((1, 2, 3, HEAD_DIM), key=mx.random.key(3))
+    offset = mx.array([[4, 5, 5]], mx.int32)
+    monkeypatch.setattr(rope_module, "matrices_pay", lambda: False)
+    by_rows = tree(x, offset=offset)
+    assert made == []
+    monkeypatch.setattr(rope_module, "matrices_pay", lambda: True)
+    np.testing.assert_allclose(np.array(tree(x, offset=offset)), np.array(by_rows), atol=2e-5)
+    assert made == [HEAD_DIM]
