@@ -53,8 +53,8 @@ class CostCurve:
     long_sizes, long_seconds: passes of some sizes behind ``long_context``
     tokens (None: not measured, the curve holds for any context).
 
-    confirmed: how many times in a row measuring again (after real steps
-    drifted from it) gave this curve back (``agrees``): where so, steps
+    confirmed: measuring again (after real steps drifted from the curve
+    before) gave that curve back (``agrees``): steps
     that run below it do so by the way they run (a small model's passes,
     repeated back to back, may find its weights in the processor's caches,
     where the measurement takes its sizes in turn), not because the
@@ -69,7 +69,7 @@ class CostCurve:
     long_context: int = LONG_CONTEXT
     long_sizes: Optional[list] = None
     long_seconds: Optional[list] = None
-    confirmed: int = 0
+    confirmed: bool = False
     _at: dict = field(default_factory=dict, repr=False, compare=False)  # context -> the curve there
 
     @property
@@ -120,7 +120,7 @@ class CostCurve:
         curve = cls([int(n) for n in entry["sizes"]], [float(t) for t in entry["seconds"]], step_seconds=float(entry["step_seconds"]),
                     plain_seconds=None if plain is None else float(plain), context=int(entry["context"]),
                     long_context=int(entry["long_context"]), long_sizes=[int(n) for n in entry["long_sizes"]],
-                    long_seconds=[float(t) for t in entry["long_seconds"]], confirmed=int(entry.get("confirmed", 0)))
+                    long_seconds=[float(t) for t in entry["long_seconds"]], confirmed=bool(entry.get("confirmed", False)))
         if (len(curve.sizes) != len(curve.seconds) or len(curve.sizes) < 2 or len(curve.long_sizes) != len(curve.long_seconds)
                 or not curve.long_sizes or curve.long_context <= curve.context):
             raise ValueError("sizes and seconds differ")
@@ -191,31 +191,25 @@ def cached_curve(key: str, draft_key: Optional[str], measure: Callable[[tuple, b
     ``steps`` what the engine's steps cost besides their passes."""
     path = cache_path()
     data = _read_cache(path)
-    curve = draft = None
-    replaced = None  # the entry a new measurement replaces, when it is one
+    entry, stored, draft = data.get(key), None, None
     try:
-        replaced = CostCurve.from_entry(data[key]) if isinstance(data.get(key), dict) else None
-    except (KeyError, TypeError, ValueError):
-        pass
-    if not refresh:
-        try:
-            entry = data.get(key)
-            # (an entry from before steps, or a longer context, were measured lacks them: measured again)
-            if entry is not None and not entry.get("stale") and "long_seconds" in entry:
-                curve = CostCurve.from_entry(entry)
-            if draft_key in data:
-                draft = float(data[draft_key]["draft_seconds"])
-        except (KeyError, TypeError, ValueError) as e:
-            print(f"warning: the cost cache {path} has a bad entry ({e}); measuring again", file=sys.stderr)
-            curve = draft = None
+        # (an entry from before steps, or a longer context, were measured lacks them: measured again)
+        if isinstance(entry, dict) and "long_seconds" in entry:
+            stored = CostCurve.from_entry(entry)
+        if not refresh and draft_key in data:
+            draft = float(data[draft_key]["draft_seconds"])
+    except (KeyError, TypeError, ValueError) as e:
+        print(f"warning: the cost cache {path} has a bad entry ({e}); measuring again", file=sys.stderr)
+        stored = draft = None
+    # A stale curve is kept aside: what is measured now is compared with it.
+    curve = stored if stored is not None and not refresh and not entry.get("stale") else None
     if curve is None or (draft_key and draft is None):
         what = "this machine's verification cost" if curve is None else "the drafter's search cost"
         print(f"measuring {what} for this model (a few seconds; cached in {path})...", file=sys.stderr, flush=True)
         measured = measure(SIZES if curve is None else (1,), curve is None)
         if curve is None:
             curve = measured
-            if replaced is not None and replaced.agrees(curve):
-                curve.confirmed = replaced.confirmed + 1
+            curve.confirmed = stored is not None and stored.agrees(measured)
             data[key] = curve.entry()
         if draft_key:
             draft = measured.draft_seconds

@@ -115,6 +115,10 @@ class Drafter(nn.Module):
         x = mx.concatenate([hidden, state], axis=-1)
         if "input_proj" in self:
             x = self.input_proj(x)
+        return self._trunk(x)
+
+    def _trunk(self, x: mx.array) -> mx.array:
+        """The head's layers before its vocab projection."""
         for layer in self.lm_head[:-1]:
             x = layer(x)
         return x
@@ -136,9 +140,7 @@ class Drafter(nn.Module):
             x = read + state @ self._halves.of(self.input_proj.weight, self.args.hidden_size)[1].T
         else:
             x = mx.concatenate([read, state], axis=-1)
-        for layer in self.lm_head[:-1]:
-            x = layer(x)
-        return self._normalised(self._project(x, rows))
+        return self._normalised(self._project(self._trunk(x), rows))
 
     def _project(self, features: mx.array, rows: Optional[int]) -> mx.array:
         projection = self.lm_head[-1]

@@ -106,14 +106,14 @@ def test_a_curve_measured_again_and_found_the_same_is_confirmed(tmp_path, monkey
         return run
 
     first = cached_curve("k", None, measure(1.0))
-    assert first.confirmed == 0
+    assert first.confirmed is False
     mark_stale("k")  # steps drifted from it
     again = cached_curve("k", None, measure(1.05))  # the same machine, measured a little differently
-    assert again.confirmed == 1 and cached_curve("k", None, measure(1.0)).confirmed == 1  # kept on disk
+    assert again.confirmed is True and cached_curve("k", None, measure(1.0)).confirmed is True  # kept on disk
     assert len(measured) == 2
     mark_stale("k")
     changed = cached_curve("k", None, measure(1.6))  # the machine did change
-    assert changed.confirmed == 0 and len(measured) == 3
+    assert changed.confirmed is False and len(measured) == 3
     assert CostCurve([1, 4, 8], [1.0, 2.0, 3.0]).agrees(CostCurve([1, 4, 8], [1.5, 2.0, 3.1]))  # one size off: noise
     assert not CostCurve([1, 4], [1.0, 2.0]).agrees(CostCurve([1, 4, 8], [1.0, 2.0, 3.0]))
 
