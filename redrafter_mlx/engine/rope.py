@@ -7,20 +7,25 @@ than one per row; ``TreeRoPE`` wraps a model's own RoPE module to take it.
 RoPE is linear in its input at any one position: rotating a head vector x
 (D,) to position p is ``x @ R(p)`` for a (D, D) matrix, whose row k is the
 module's own rotation of the unit vector e_k to p (pairs of cos/sin, ones
-on dimensions the module leaves alone, whatever scaling it applies). So a
-tree step asks each distinct RoPE module for its matrices once, at every
-node's position, (B, N, D, D); each attention layer then rotates its
-queries and keys by one batched matmul. Every layer of a model usually
-rotates alike (Gemma's local and global layers are two kinds), so the
-matrices are made once or twice a step, not twice per layer.
+on dimensions the module leaves alone, whatever scaling it applies). In
+every RoPE, each output dimension k mixes at most its own input and one
+partner's: ``out_k = x_k R[k, k] + x_p(k) R[p(k), k]``. So a tree step asks
+each distinct RoPE module, once, for those two coefficients at every
+node's position, (B, N, D) each, by rotating two indicator vectors; each
+attention layer then rotates its queries and keys with two products and a
+gather. A module whose matrices are not of that form (found by probing)
+gets the whole matrices, (B, N, D, D), and one batched matmul per layer.
+Every layer of a model usually rotates alike (Gemma's local and global
+layers are two kinds), so the coefficients are made once or twice a step,
+not twice per layer.
 
 That is for MLX's CPU backend, where a RoPE module is a composite of about
 a dozen small ops, which rotating token by token would repeat for every
 token row in every layer. Where RoPE is one fused kernel (a GPU), each
 token is instead rotated as a row of its own by the module itself (one
 kernel per call, the module's own arithmetic in its own precision), since
-the matrices would add casts to and from float32 around every call in a
-half-precision model.
+the coefficients would add casts to and from float32 around every call in
+a half-precision model.
 """
 
 from typing import Optional
@@ -35,19 +40,63 @@ import numpy as np
 PROBE_POSITIONS = (1, 2, 7, 100, 4097, 32771, 131101)
 
 
-class Rotations:
-    """The rotation matrices of one model's RoPE modules for the block being
-    fed, shared by the modules that rotate alike.
+class PairRotation:
+    """A rotation in which output dimension k mixes input k and its
+    partner's: ``x * diagonal + x[..., partner] * crossed``.
 
-    A module's kind is found on its first tree call (its rotations at
-    ``PROBE_POSITIONS`` compared with the kinds seen before); the matrices
-    of a kind are made once per block (a new offset array) and reused by
-    every layer of that kind."""
+    diagonal, crossed: (B, N, D) float32, R[k, k] and R[partner(k), k] at
+    each token's position; partner: (D,) int32 (k itself, and crossed 0,
+    where the module leaves k alone)."""
+
+    def __init__(self, diagonal: mx.array, crossed: mx.array, partner: mx.array):
+        self.diagonal, self.crossed, self.partner = diagonal[:, None], crossed[:, None], partner
+
+    def __call__(self, x: mx.array) -> mx.array:
+        """(B, H, N, D) -> the same, each token turned to its position."""
+        x32 = x.astype(mx.float32)
+        return (x32 * self.diagonal + mx.take(x32, self.partner, axis=-1) * self.crossed).astype(x.dtype)
+
+
+class MatrixRotation:
+    """A rotation by whole matrices, (B, N, D, D) float32."""
+
+    def __init__(self, matrices: mx.array):
+        self.matrices = matrices
+
+    def __call__(self, x: mx.array) -> mx.array:
+        rows = x.transpose(0, 2, 1, 3).astype(mx.float32)  # (B, N, H, D)
+        return (rows @ self.matrices).astype(x.dtype).transpose(0, 2, 1, 3)
+
+
+def pairing(matrices: np.ndarray) -> Optional[np.ndarray]:
+    """Each dimension's partner (D,) when every column k of the matrices
+    (..., D, D) is zero outside rows k and one partner p(k), with p(p(k)) =
+    k; else None."""
+    support = (np.abs(matrices) > 0).reshape(-1, *matrices.shape[-2:]).any(axis=0)  # (D, D): row j feeds column k
+    dim = support.shape[0]
+    partner = np.arange(dim)
+    for k in range(dim):
+        others = [j for j in np.flatnonzero(support[:, k]) if j != k]
+        if len(others) > 1:
+            return None
+        if others:
+            partner[k] = others[0]
+    return partner if np.array_equal(partner[partner], np.arange(dim)) else None
+
+
+class Rotations:
+    """The rotations of one model's RoPE modules for the block being fed,
+    shared by the modules that rotate alike.
+
+    A module's kind is found on its first tree call (its rotation matrices
+    at ``PROBE_POSITIONS`` compared with the kinds seen before, and their
+    pairing); the rotation of a kind is made once per block (a new offset
+    array) and reused by every layer of that kind."""
 
     def __init__(self):
-        self._kinds: list[tuple[int, np.ndarray]] = []  # (head dim, probe rotations) per kind
+        self._kinds: list[tuple[int, np.ndarray, Optional[np.ndarray]]] = []  # (head dim, probe matrices, partners) per kind
         self._kind_of: dict[tuple[int, int], int] = {}  # (id(module), head dim) -> kind
-        self._made: dict[int, tuple[mx.array, mx.array]] = {}  # kind -> (offset, matrices)
+        self._made: dict[int, tuple] = {}  # kind -> (offset, rotation)
 
     @staticmethod
     def matrices(rope: nn.Module, positions: mx.array, dim: int) -> mx.array:
@@ -58,28 +107,47 @@ class Rotations:
         rotated = rope(units, offset=mx.repeat(positions.reshape(-1), dim))
         return rotated.astype(mx.float32).reshape(*positions.shape, dim, dim)
 
+    @staticmethod
+    def pairs(rope: nn.Module, positions: mx.array, partner: np.ndarray) -> PairRotation:
+        """positions (B, N) int -> the ``PairRotation`` there. One indicator
+        vector holds one dimension of every pair (and the dimensions left
+        alone), the other the rest; the module turns both to every position,
+        and each output dimension reads its diagonal coefficient from the
+        vector that holds it and its crossed one from the other."""
+        dim = partner.size
+        first = mx.array(np.arange(dim) <= partner)  # one of each pair
+        units = mx.stack([first, ~first]).astype(mx.float32)  # (2, D)
+        count = positions.size
+        rotated = rope(mx.broadcast_to(units, (count, 2, dim)).reshape(count * 2, 1, 1, dim), offset=mx.repeat(positions.reshape(-1), 2))
+        rotated = rotated.astype(mx.float32).reshape(*positions.shape, 2, dim)
+        own, other = rotated[..., 0, :], rotated[..., 1, :]
+        return PairRotation(mx.where(first, own, other), mx.where(first, other, own), mx.array(partner, mx.int32))
+
     def kind(self, rope: nn.Module, dim: int) -> int:
         key = (id(rope), dim)
         if key not in self._kind_of:
             probe = np.array(self.matrices(rope, mx.array(PROBE_POSITIONS, mx.int32), dim))
-            same = [i for i, (d, seen) in enumerate(self._kinds) if d == dim and np.array_equal(seen, probe)]
+            same = [i for i, (d, seen, _) in enumerate(self._kinds) if d == dim and np.array_equal(seen, probe)]
             if not same:
-                self._kinds.append((dim, probe))
+                self._kinds.append((dim, probe, pairing(probe)))
             self._kind_of[key] = same[0] if same else len(self._kinds) - 1
         return self._kind_of[key]
 
-    def __call__(self, rope: nn.Module, offset: mx.array, dim: int) -> mx.array:
-        """offset (B, N) positions -> (B, N, dim, dim) float32 matrices."""
+    def __call__(self, rope: nn.Module, offset: mx.array, dim: int):
+        """offset (B, N) positions -> the rotation there (``PairRotation``,
+        or ``MatrixRotation`` for a module not of pairs)."""
         kind = self.kind(rope, dim)
         made: Optional[tuple] = self._made.get(kind)
         if made is None or made[0] is not offset:
-            made = self._made[kind] = (offset, self.matrices(rope, offset, dim))
+            partner = self._kinds[kind][2]
+            rotation = MatrixRotation(self.matrices(rope, offset, dim)) if partner is None else self.pairs(rope, offset, partner)
+            made = self._made[kind] = (offset, rotation)
         return made[1]
 
 
-def matrices_pay() -> bool:
-    """Whether tree tokens are rotated by matrices on the default device
-    (its CPU backend) rather than token by token through the module."""
+def rotations_pay() -> bool:
+    """Whether tree tokens are rotated by ``Rotations`` on the default
+    device (its CPU backend) rather than token by token through the module."""
     return mx.default_device().type == mx.cpu
 
 
@@ -88,25 +156,23 @@ class TreeRoPE(nn.Module):
     each token its own position in (B, H, N, D) queries or keys. Any other
     offset passes straight through to the module.
 
-    by_matrices: each token's heads times its position's matrix
-    (``Rotations``), or each token rotated as a row of its own by the
+    by_rotations: each token turned to its position by the rotation
+    ``Rotations`` makes for its block, or rotated as a row of its own by the
     module, (B, H, N, D) -> (B*N, H, 1, D) and back; None: as
-    ``matrices_pay`` says for the device."""
+    ``rotations_pay`` says for the device."""
 
-    def __init__(self, rope: nn.Module, rotations: Rotations, by_matrices: Optional[bool] = None):
+    def __init__(self, rope: nn.Module, rotations: Rotations, by_rotations: Optional[bool] = None):
         super().__init__()
         self.rope = rope
         self.rotations = rotations
-        self.by_matrices = by_matrices
+        self.by_rotations = by_rotations
 
     def __call__(self, x: mx.array, offset=0):
         if not (isinstance(offset, mx.array) and offset.ndim == 2):
             return self.rope(x, offset=offset)
-        by_matrices = matrices_pay() if self.by_matrices is None else self.by_matrices
-        if by_matrices:
-            matrices = self.rotations(self.rope, offset, x.shape[-1])  # (B, N, D, D)
-            rows = x.transpose(0, 2, 1, 3).astype(mx.float32)  # (B, N, H, D)
-            return (rows @ matrices).astype(x.dtype).transpose(0, 2, 1, 3)
+        by_rotations = rotations_pay() if self.by_rotations is None else self.by_rotations
+        if by_rotations:
+            return self.rotations(self.rope, offset, x.shape[-1])(x)
         batch, heads, num_tokens, dim = x.shape
         rows = x.transpose(0, 2, 1, 3).reshape(batch * num_tokens, heads, 1, dim)
         rotated = self.rope(rows, offset=offset.reshape(-1))
