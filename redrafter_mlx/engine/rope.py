@@ -84,6 +84,20 @@ def pairing(matrices: np.ndarray) -> Optional[np.ndarray]:
     return partner if np.array_equal(partner[partner], np.arange(dim)) else None
 
 
+class Pairs:
+    """One kind's pairing as the arrays a ``PairRotation`` is made from,
+    built once per kind rather than once per step.
+
+    first: (D,) bool, one dimension of each pair and every dimension left
+    alone; units: (2, D) float32, the indicator vectors of ``first`` and of
+    the rest; partner: (D,) int32."""
+
+    def __init__(self, partner: np.ndarray):
+        self.first = mx.array(np.arange(partner.size) <= partner)
+        self.units = mx.stack([self.first, ~self.first]).astype(mx.float32)
+        self.partner = mx.array(partner, mx.int32)
+
+
 class Rotations:
     """The rotations of one model's RoPE modules for the block being fed,
     shared by the modules that rotate alike.
@@ -94,7 +108,7 @@ class Rotations:
     array) and reused by every layer of that kind."""
 
     def __init__(self):
-        self._kinds: list[tuple[int, np.ndarray, Optional[np.ndarray]]] = []  # (head dim, probe matrices, partners) per kind
+        self._kinds: list[tuple[int, np.ndarray, Optional[Pairs]]] = []  # (head dim, probe matrices, pairing) per kind
         self._kind_of: dict[tuple[int, int], int] = {}  # (id(module), head dim) -> kind
         self._made: dict[int, tuple] = {}  # kind -> (offset, rotation)
 
@@ -108,20 +122,18 @@ class Rotations:
         return rotated.astype(mx.float32).reshape(*positions.shape, dim, dim)
 
     @staticmethod
-    def pairs(rope: nn.Module, positions: mx.array, partner: np.ndarray) -> PairRotation:
+    def pairs(rope: nn.Module, positions: mx.array, pairs: Pairs) -> PairRotation:
         """positions (B, N) int -> the ``PairRotation`` there. One indicator
         vector holds one dimension of every pair (and the dimensions left
         alone), the other the rest; the module turns both to every position,
         and each output dimension reads its diagonal coefficient from the
         vector that holds it and its crossed one from the other."""
-        dim = partner.size
-        first = mx.array(np.arange(dim) <= partner)  # one of each pair
-        units = mx.stack([first, ~first]).astype(mx.float32)  # (2, D)
-        count = positions.size
-        rotated = rope(mx.broadcast_to(units, (count, 2, dim)).reshape(count * 2, 1, 1, dim), offset=mx.repeat(positions.reshape(-1), 2))
+        count, dim = positions.size, pairs.units.shape[-1]
+        units = mx.broadcast_to(pairs.units, (count, 2, dim)).reshape(count * 2, 1, 1, dim)
+        rotated = rope(units, offset=mx.repeat(positions.reshape(-1), 2))
         rotated = rotated.astype(mx.float32).reshape(*positions.shape, 2, dim)
         own, other = rotated[..., 0, :], rotated[..., 1, :]
-        return PairRotation(mx.where(first, own, other), mx.where(first, other, own), mx.array(partner, mx.int32))
+        return PairRotation(mx.where(pairs.first, own, other), mx.where(pairs.first, other, own), pairs.partner)
 
     def kind(self, rope: nn.Module, dim: int) -> int:
         key = (id(rope), dim)
@@ -129,7 +141,8 @@ class Rotations:
             probe = np.array(self.matrices(rope, mx.array(PROBE_POSITIONS, mx.int32), dim))
             same = [i for i, (d, seen, _) in enumerate(self._kinds) if d == dim and np.array_equal(seen, probe)]
             if not same:
-                self._kinds.append((dim, probe, pairing(probe)))
+                partner = pairing(probe)
+                self._kinds.append((dim, probe, None if partner is None else Pairs(partner)))
             self._kind_of[key] = same[0] if same else len(self._kinds) - 1
         return self._kind_of[key]
 
@@ -139,8 +152,8 @@ class Rotations:
         kind = self.kind(rope, dim)
         made: Optional[tuple] = self._made.get(kind)
         if made is None or made[0] is not offset:
-            partner = self._kinds[kind][2]
-            rotation = MatrixRotation(self.matrices(rope, offset, dim)) if partner is None else self.pairs(rope, offset, partner)
+            pairs = self._kinds[kind][2]
+            rotation = MatrixRotation(self.matrices(rope, offset, dim)) if pairs is None else self.pairs(rope, offset, pairs)
             made = self._made[kind] = (offset, rotation)
         return made[1]
 
