@@ -491,7 +491,8 @@ class Trainer:
     def load_checkpoint(self) -> bool:
         """Resume from the checkpoint in the training state folder, if there
         is one (False when there is none); a checkpoint saved with other
-        settings is refused."""
+        settings is refused. Training goes on in the checkpoint's draft
+        vocabulary, whatever the data given now would rank."""
         folder = self.checkpoint_folder
         if not (folder / STATE_FILE).exists():
             return False
@@ -504,6 +505,10 @@ class Trainer:
             raise UserError(f"{folder} was trained with other settings ({', '.join(changed)}); use a new output folder")
         loaded = load_drafter(str(folder))
         self.drafter.update(loaded.parameters())
+        if loaded.args.draft_vocab_size:
+            # The head's rows are the checkpoint's draft vocabulary; data added
+            # since may rank tokens otherwise, but targets must index those rows.
+            self.to_draft = draft_index_map(self.base.vocab_size, np.array(loaded.draft_token_ids))
         self.optimizer.state = tree_unflatten(list(mx.load(str(folder / OPTIMIZER_FILE)).items()))
         self.step = state["step"]
         mx.eval(self.drafter.parameters(), self.optimizer.state)

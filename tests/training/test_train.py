@@ -176,6 +176,24 @@ def test_resuming_from_a_checkpoint_continues_with_identical_loss(setup, tmp_pat
     assert losses == straight[12:]
 
 
+def test_a_resumed_run_trains_in_its_checkpoints_draft_vocabulary(setup, tmp_path):
+    """Data added before a resume can rank the draft vocabulary otherwise;
+    the targets still index the rows the checkpoint's head was made for."""
+    base, sequences, hidden = setup
+    overrides = dict(steps=4, save_every=4, eval_every=100, draft_vocab=32)
+    first = make_trainer(setup, tmp_path / "a", **overrides)
+    train(first, progress=False)
+    config = first.config
+    other = build_draft_vocab(sequences, 32)[::-1].copy()  # as if new data ranked the tokens in reverse
+    resumed = Trainer(base, build_positions(sequences, config.depth, config.eval_fraction), hidden, config, str(tmp_path / "a"), other)
+    assert resumed.load_checkpoint()
+    ids = np.array(resumed.drafter.draft_token_ids)
+    np.testing.assert_array_equal(ids, np.array(first.drafter.draft_token_ids))
+    assert not np.array_equal(ids, other)
+    np.testing.assert_array_equal(resumed.to_draft[ids], np.arange(32))
+    np.testing.assert_array_equal(resumed.to_draft, first.to_draft)
+
+
 def test_hidden_states_saved_by_distill_equal_recomputed_ones(tmp_path):
     from redrafter_mlx.training.distill import distill, response_stream
     from redrafter_mlx.engine.sampling import SamplingSettings
