@@ -173,6 +173,19 @@ class Scheduler:
         return {"status": "ok" if self.thread.is_alive() else "unavailable", "running": len(self.active), "waiting": waiting}
 
     def _run(self) -> None:
+        """The engine thread. MLX keeps per-thread state (this thread's
+        streams and its cache of compiled functions, which holds Python
+        objects); it is freed here, while the thread still runs Python. Left
+        to the thread's exit, it would be freed after ``join`` has returned,
+        and releasing those Python objects while the main thread finalises
+        the interpreter aborts the process."""
+        try:
+            self._serve()
+        finally:
+            mx.synchronize()  # a plain step may still be computing ahead
+            mx.clear_streams()
+
+    def _serve(self) -> None:
         try:
             self.calibrate()
         except Exception as e:
@@ -194,9 +207,6 @@ class Scheduler:
                     break
             if None in self.waiting:
                 self._tell(stop=True)
-                # A plain step may still be computing ahead; the process may
-                # exit right after this thread does.
-                mx.synchronize()
                 return
             if END in self.waiting:
                 self._tell(reset=True)
