@@ -164,7 +164,10 @@ def test_a_prompt_over_the_context_is_refused_as_agent_clients_expect(server, cl
     assert body["type"] == "invalid_request_error" and re.fullmatch(r"prompt is too long: \d+ tokens > 256 maximum", body["message"])
 
 
-@pytest.mark.parametrize("raw", [b'{"messages": [{"role": "user", "content": "a\\ud800b"}]}', b'{"a": ' * 100000 + b"1" + b"}" * 100000])
+# Named ids: a test's id goes into the environment of the processes it
+# starts (PYTEST_CURRENT_TEST), and the nested body's would not fit there.
+@pytest.mark.parametrize("raw", [b'{"messages": [{"role": "user", "content": "a\\ud800b"}]}', b'{"a": ' * 100000 + b"1" + b"}" * 100000],
+                         ids=["unpaired-surrogate", "nested-100000-deep"])
 def test_held_out_bad_bodies_get_400(server, raw):
     for path in ("/v1/chat/completions", "/v1/messages"):
         response = httpx.post(f"{server}{path}", content=raw, headers={"x-api-key": KEY, "content-type": "application/json"})
