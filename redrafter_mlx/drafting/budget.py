@@ -73,13 +73,17 @@ class AcceptanceStats:
     def observe_step(self, rows: list, paths: list, num_accepted: list) -> None:
         """After a step: rows (RowTree), each row's packed accepted path and
         accepted count. Every verified node whose parent was accepted is one
-        observation for each draft through it."""
+        observation, for the draft whose estimate the node's was (the
+        highest). Counted for every draft through it, a node that several
+        sources agree on (accepted far more often than either alone) would
+        lift the ratio of the weaker source, whose lone nodes would then be
+        estimated too high."""
         for row, path, n in zip(rows, paths, num_accepted):
             accepted = set(path[: n + 1])
             for node in range(1, row.num_nodes):
                 if row.parents[node] in accepted:
-                    for key, predicted in row.judged[node]:
-                        self.observe(key, predicted, node in accepted)
+                    key, predicted = max(row.judged[node], key=lambda judged: self.estimate(*judged))
+                    self.observe(key, predicted, node in accepted)
 
 
 def best_node_count(gains: list[list[float]], cost, max_nodes: int, extra_seconds: float = 0.0,

@@ -73,3 +73,19 @@ def test_a_step_observes_the_children_of_accepted_nodes_only():
     assert stats.accepted[("rnn", 2)] == 0 and stats.predicted[("rnn", 2)] == 0.5
     assert stats.accepted[("lookup1", 1)] == 0 and stats.predicted[("lookup1", 1)] == 1.0
     assert ("lookup1", 2) not in stats.predicted  # its parent was rejected
+
+
+def test_a_node_several_sources_proposed_is_observed_under_the_best_of_their_keys():
+    """Agreeing sources make a node likelier than either alone; observed
+    under both keys, those nodes would lift the ratio the weaker source's
+    lone nodes are judged by. The node counts for the key whose estimate
+    made it, the highest."""
+    stats = AcceptanceStats()
+    agreeing = candidate_tree(1, [Draft([2], [("datastore1", 1)], [0.3], [0.3]), Draft([2], [("lookup1", 1)], [0.5], [1.0])])
+    for _ in range(10):
+        stats.observe_step([agreeing], [[0, 1]], [1])
+    assert stats.predicted[("datastore1", 1)] == 0  # lookup's estimate (0.5) beat the datastore's (0.3 * 0.8)
+    assert stats.accepted[("lookup1", 1)] == 10 and stats.predicted[("lookup1", 1)] == 10.0
+    alone = candidate_tree(1, [Draft([2], [("datastore1", 1)], [0.3], [0.3])])
+    stats.observe_step([alone], [[0]], [0])
+    assert stats.accepted[("datastore1", 1)] == 0 and stats.predicted[("datastore1", 1)] == 0.3
