@@ -29,10 +29,14 @@ depth whose RNN nodes those full searches' trees kept often enough.
 
 A run that does not gain turns to plain decoding: when the budget verified
 nothing for a few steps in a row, or when the last ``WINDOW`` drafting
-steps produced fewer tokens per curve second than plain steps would. It
+steps produced fewer tokens per curve second than plain steps would. The
+window is long because a step's accepted length varies widely: a run that
+gains on average still has stretches of a few steps that do not, and a
+short window, checked at every step, turned such runs plain on chance. It
 drafts again after an interval of plain steps that doubles after each
 retry that does not gain (so retries stay a small share of the time) and
-shrinks back after one that does. Real steps are held against the curve
+shrinks back after one that does; a retry is judged after its first
+``RETRY_WINDOW`` drafting steps. Real steps are held against the curve
 elsewhere (the decoder's drift check), so these choices read no clock:
 every rank of a split model makes them alike.
 """
@@ -55,7 +59,8 @@ EXPLORE_STEPS = 8  # every this many steps, verify one node more than the budget
 RATE_MEMORY = 0.8  # weight of the past in the running estimate of lookup alone
 MEASURED_MEMORY = 0.7  # weight of the past in the running measured tokens and seconds
 CARRIED_WEIGHT = 4.0  # predicted mass (a few steps' worth) that earlier runs' statistics weigh as
-WINDOW = 8  # drafting steps whose rate is held against plain decoding's
+WINDOW = 32  # drafting steps whose rate is held against plain decoding's
+RETRY_WINDOW = 8  # drafting steps after which a retry is judged
 IDLE_STEPS = 3  # steps in a row that verified nothing before a run turns plain (one on a retry)
 PLAIN_STEPS = 16  # plain steps before drafting is tried again, at first
 MAX_PLAIN_STEPS = 4096  # the longest interval the doubling reaches
@@ -367,15 +372,15 @@ class Speculator:
         if self.has_drafter and self.has_cheap_drafts and None not in (self.rate("rnn"), self.rate("lookup")):
             self.rnn_on = self.rate("rnn") >= self.rate("lookup")
         self.window.append((tokens, plan.predicted, plan.one_node, len(trees)))
-        if len(self.window) == WINDOW:
+        if len(self.window) >= (RETRY_WINDOW if self.retrying else WINDOW):
             if self._losing():
                 self._turn_plain()
             elif self.retrying:  # a retry that gains: the next one comes soon again
                 self.retrying, self.interval = False, PLAIN_STEPS
 
     def _losing(self) -> bool:
-        """Whether the last ``WINDOW`` drafting steps produced fewer tokens
-        per curve second than plain steps would (one token per row each
+        """Whether the drafting steps in the window (the last ``WINDOW``, or a
+        retry's first ``RETRY_WINDOW``) produced fewer tokens per curve second than plain steps would (one token per row each
         ``one_node`` seconds)."""
         tokens, predicted, one_node, rows = (sum(column) for column in zip(*self.window))
         return tokens * one_node < rows * predicted

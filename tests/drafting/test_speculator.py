@@ -138,6 +138,21 @@ def test_a_run_whose_drafts_are_not_accepted_turns_to_plain_decoding_and_retries
     assert plan.mode == "plain" and plan.trees is None
 
 
+def test_a_run_that_gains_on_average_is_not_turned_plain_by_a_stretch_that_does_not():
+    """A step's accepted length varies widely: stretches of a dozen steps
+    that accept nothing, between stretches that accept three tokens a step,
+    gain 2.5 tokens a step on average, far above plain decoding's one. The
+    run keeps drafting through the bad stretches."""
+    cost = CostCurve([1, 2, 32], [1.0, 1.05, 2.0])
+    speculator = tracking(DraftSettings(), False, [[5, 6, 7, 5, 6, 7, 5, 6]])
+    speculator.stats.priors = {("lookup2", d, "greedy"): (1.0, 1e9) for d in range(1, 20)}  # estimates stay put
+    modes = []
+    for _ in range(4):
+        modes += run_steps(speculator, 6, None, None, cost, accepted=3, steps=12)
+        modes += run_steps(speculator, 6, None, None, cost, accepted=0, steps=12)
+    assert "plain" not in modes
+
+
 def test_a_run_starts_from_what_earlier_runs_accepted():
     """A drafter that claims 0.9 per token and is never right: a first run
     learns it; the next run of the same pair verifies nothing from its first
