@@ -379,8 +379,9 @@ class Speculator:
                 self.retrying, self.interval = False, PLAIN_STEPS
 
     def _losing(self) -> bool:
-        """Whether the drafting steps in the window (the last ``WINDOW``, or a
-        retry's first ``RETRY_WINDOW``) produced fewer tokens per curve second than plain steps would (one token per row each
-        ``one_node`` seconds)."""
+        """Whether the drafting steps in the window (the last ``WINDOW``, or
+        a retry's first ``RETRY_WINDOW``) produced fewer tokens per curve
+        second than plain steps would (one token per row each ``one_node``
+        seconds)."""
         tokens, predicted, one_node, rows = (sum(column) for column in zip(*self.window))
         return tokens * one_node < rows * predicted
