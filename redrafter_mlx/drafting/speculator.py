@@ -31,8 +31,8 @@ A run that does not gain turns to plain decoding: when the budget verified
 nothing for a few steps in a row, or when the last ``WINDOW`` drafting
 steps produced fewer tokens per curve second than plain steps would. The
 window is long because a step's accepted length varies widely: a run that
-gains on average still has stretches of a few steps that do not, and a
-short window, checked at every step, turned such runs plain on chance. It
+gains on average still has stretches of a few steps that do not, which
+a short window, checked at every step, would take for a loss. It
 drafts again after an interval of plain steps that doubles after each
 retry that does not gain (so retries stay a small share of the time) and
 shrinks back after one that does; a retry is judged after its first
