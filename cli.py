@@ -377,11 +377,13 @@ def serve(
     max_queue: Annotated[Optional[int], typer.Option(min=0, help="requests that may wait for a place in the batch; more get 429", show_default="no limit")] = None,
     keep_alive: Annotated[float, typer.Option(parser=positive_seconds, metavar="SECONDS", help="seconds between keep-alive comments of a streamed answer that waits or prefills")] = 5.0,
     shutdown_timeout: Annotated[float, typer.Option(min=0, help="on SIGTERM, seconds running requests may finish")] = 30.0,
+    access_log: Annotated[bool, typer.Option("--access-log/--no-access-log", help="write a line per request on stderr (client, method, path, status, seconds)")] = True,
     model: Model = None, dtype: Dtype = None, drafter: Drafter = None, beam_width: BeamWidth = None, beam_length: BeamLength = None,
     max_nodes: MaxNodes = None, no_lookup: NoLookup = False, lookup_length: LookupLength = None, lookup_max_ngram: LookupMaxNgram = None,
     datastore_beams: DatastoreBeams = None, log_prompts: LogPrompts = None, answer_store_mb: AnswerStoreMb = 64, split: Split = "pipeline",
 ):
     """An HTTP server with the OpenAI and Anthropic APIs that batches concurrent requests (see "Serving")."""
+    from redrafter_mlx.serving.chat_format import ChatRenderer
     from redrafter_mlx.serving.process import is_loopback, listen, stopped_by_sigterm
     from redrafter_mlx.serving.server import run_server
 
@@ -397,7 +399,7 @@ def serve(
 
             redrafter, tokenizer = load_pair(model, drafter, dtype, ranks)
             redrafter.answers = answer_store(answer_store_mb)
-            follow(redrafter, tokenizer.eos_token_ids, draft, max_batch)
+            follow(redrafter, ChatRenderer(tokenizer).eos_token_ids, draft, max_batch)  # the answers end as rank 0's do
             ranks.end()
             return
         sock = listen(host, port)
@@ -408,8 +410,8 @@ def serve(
         name = os.path.basename(model.rstrip("/")) if model else "SmolLM2-135M-Instruct"
         run_server(redrafter, tokenizer, draft, sock, name, max_batch=max_batch, max_tokens=max_tokens,
                    cache_bytes=int(prompt_cache_mb * 2**20), max_body_bytes=max_body_bytes, prompt_log=log, api_key=key,
-                   max_queue=max_queue, shutdown_timeout=shutdown_timeout, keep_alive=keep_alive,
-                   announce=lambda line: print(line, file=sys.stderr))
+                   max_queue=max_queue, shutdown_timeout=shutdown_timeout, keep_alive=keep_alive, access_log=access_log,
+                   announce=lambda line: print(line, file=sys.stderr, flush=True))
         ranks.end()
 
 

@@ -20,7 +20,7 @@ import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.models import gemma3_text, lfm2, llama, mixtral, nemotron_h, qwen2, qwen3_5, qwen3_moe, qwen3_next
 
-from redrafter_mlx.engine import calibrate
+from redrafter_mlx.engine import calibrate, costs
 from redrafter_mlx.engine.base_model import BaseModel
 from redrafter_mlx.drafting.cost import CostCurve
 from redrafter_mlx.drafting.settings import DraftSettings
@@ -42,7 +42,10 @@ CPU_CURVE = CostCurve([1, 2, 3, 4, 6, 8, 12, 16, 32], [1.0, 1.10, 1.24, 1.33, 1.
 
 @pytest.fixture(autouse=True)
 def fixed_cost_curve(monkeypatch):
+    """Every curve is CPU_CURVE, and steps do not correct it (their real
+    seconds would make what tests verify depend on the machine)."""
     monkeypatch.setattr(calibrate, "cost_curve", lambda *args, **kwargs: CPU_CURVE)
+    monkeypatch.setattr(costs, "learning", lambda redrafter: False)
 
 
 def tiny_model(kind: str = "llama", seed: int = 0, quantize: bool = False, vocab: int = VOCAB) -> nn.Module:
@@ -399,7 +402,7 @@ def tool_model(tmp_path_factory):
     """A model folder whose chat template has a tool-call syntax (the family
     mlx-lm's ``json_tools`` parser reads) and whose scripted weights answer
     a user with a call of ``get_weather`` for Paris and a tool's result
-    with "It is sunny.". Its context is 256 tokens."""
+    with "It is sunny.". Its context is 4096 tokens."""
     from mlx_lm.models import llama as llama_module
     from mlx_lm.utils import save_config, save_model
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -411,7 +414,7 @@ def tool_model(tmp_path_factory):
     index = {w: i for i, w in enumerate(words)}
     follows = {index[a]: index[b] for chain in TOOL_CHAINS for a, b in zip(chain, chain[1:])}
     args = llama_module.ModelArgs(model_type="llama", hidden_size=size, num_hidden_layers=1, intermediate_size=16, num_attention_heads=4,
-                                  num_key_value_heads=4, rms_norm_eps=1e-5, vocab_size=size, max_position_embeddings=256, tie_word_embeddings=False)
+                                  num_key_value_heads=4, rms_norm_eps=1e-5, vocab_size=size, max_position_embeddings=4096, tie_word_embeddings=False)
     model = llama_module.Model(args)
     layer = model.model.layers[0]
     layer.self_attn.o_proj.weight = mx.zeros_like(layer.self_attn.o_proj.weight)

@@ -14,7 +14,6 @@ curve is the one for its context (``CostCurve.at``).
 import json
 import os
 import platform
-import statistics
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,9 +32,6 @@ LONG_CONTEXT = 512
 LONG_SIZES = (1, 4, 8, 16, 32)
 CONTEXT_STEP = 32  # a step's context is rounded up to this many tokens (one curve per step of it)
 CACHE_ENV = "REDRAFTER_MLX_CACHE"
-# A curve measured again that lies within this share of the one it replaces
-# (the median over its sizes) is the same curve: the machine did not change.
-AGREEMENT = 0.15
 
 
 @dataclass
@@ -51,14 +47,9 @@ class CostCurve:
 
     context: the committed tokens per row behind ``seconds``;
     long_sizes, long_seconds: passes of some sizes behind ``long_context``
-    tokens (None: not measured, the curve holds for any context).
-
-    confirmed: measuring again (after real steps drifted from the curve
-    before) gave that curve back (``agrees``): steps
-    that run below it do so by the way they run (a small model's passes,
-    repeated back to back, may find its weights in the processor's caches,
-    where the measurement takes its sizes in turn), not because the
-    machine changed."""
+    tokens (None: not measured, the curve holds for any context). Far past
+    them this line is a guess, which the engine's steps correct
+    (``engine.costs``)."""
 
     sizes: list
     seconds: list
@@ -69,7 +60,6 @@ class CostCurve:
     long_context: int = LONG_CONTEXT
     long_sizes: Optional[list] = None
     long_seconds: Optional[list] = None
-    confirmed: bool = False
     _at: dict = field(default_factory=dict, repr=False, compare=False)  # context -> the curve there
 
     @property
@@ -102,16 +92,14 @@ class CostCurve:
                 moved = short + share * max(_interpolate(self.long_sizes, self.long_seconds, n) - short, 0.0)
                 seconds.append(max([moved, *seconds[-1:]]))
             plain = None if self.plain_seconds is None else self.plain_seconds + seconds[0] - self.seconds[0]
-            curve = self._at[context] = CostCurve(self.sizes, seconds, self.draft_seconds, self.step_seconds, plain, context,
-                                                  confirmed=self.confirmed)
+            curve = self._at[context] = CostCurve(self.sizes, seconds, self.draft_seconds, self.step_seconds, plain, context)
         return curve
 
     def entry(self) -> dict:
         """What the disk cache keeps of a measured curve (the search's
         seconds are kept apart, per drafter and beam shape)."""
         return {"sizes": self.sizes, "seconds": self.seconds, "step_seconds": self.step_seconds, "plain_seconds": self.plain_seconds,
-                "context": self.context, "long_context": self.long_context, "long_sizes": self.long_sizes, "long_seconds": self.long_seconds,
-                "confirmed": self.confirmed}
+                "context": self.context, "long_context": self.long_context, "long_sizes": self.long_sizes, "long_seconds": self.long_seconds}
 
     @classmethod
     def from_entry(cls, entry: dict) -> "CostCurve":
@@ -120,19 +108,11 @@ class CostCurve:
         curve = cls([int(n) for n in entry["sizes"]], [float(t) for t in entry["seconds"]], step_seconds=float(entry["step_seconds"]),
                     plain_seconds=None if plain is None else float(plain), context=int(entry["context"]),
                     long_context=int(entry["long_context"]), long_sizes=[int(n) for n in entry["long_sizes"]],
-                    long_seconds=[float(t) for t in entry["long_seconds"]], confirmed=bool(entry.get("confirmed", False)))
+                    long_seconds=[float(t) for t in entry["long_seconds"]])
         if (len(curve.sizes) != len(curve.seconds) or len(curve.sizes) < 2 or len(curve.long_sizes) != len(curve.long_seconds)
                 or not curve.long_sizes or curve.long_context <= curve.context):
             raise ValueError("sizes and seconds differ")
         return curve
-
-    def agrees(self, other: "CostCurve") -> bool:
-        """Whether ``other`` measured the same sizes at, in the median over
-        the sizes, within ``AGREEMENT`` of these seconds (a changed machine
-        moves every size; noise moves a few)."""
-        if self.sizes != other.sizes:
-            return False
-        return abs(statistics.median(b / a for a, b in zip(self.seconds, other.seconds)) - 1) <= AGREEMENT
 
     def relative(self) -> list:
         """Each size's cost over the cost of one token."""
@@ -183,6 +163,31 @@ def _write_cache(path: Path, data: dict) -> None:
         print(f"warning: cannot write the cost cache {path} ({e})", file=sys.stderr)
 
 
+def _entries(data: dict, key: str, draft_key: Optional[str], path: Path) -> tuple:
+    """(the curve under ``key``, the search's seconds under ``draft_key``),
+    each None when missing or unreadable."""
+    entry = data.get(key)
+    try:
+        # (an entry from before steps, or a longer context, were measured lacks them: measured again)
+        curve = CostCurve.from_entry(entry) if isinstance(entry, dict) and "long_seconds" in entry else None
+        draft = float(data[draft_key]["draft_seconds"]) if draft_key in data else None
+    except (KeyError, TypeError, ValueError) as e:
+        print(f"warning: the cost cache {path} has a bad entry ({e}); measuring again", file=sys.stderr)
+        return None, None
+    return curve, draft
+
+
+def stored(key: str, draft_key: Optional[str]) -> Optional[CostCurve]:
+    """The curve cached under ``key`` with the search's seconds under
+    ``draft_key`` (None: no drafter), or None when either is missing."""
+    path = cache_path()
+    curve, draft = _entries(_read_cache(path), key, draft_key, path)
+    if curve is None or (draft_key and draft is None):
+        return None
+    curve.draft_seconds = draft or 0.0
+    return curve
+
+
 def cached_curve(key: str, draft_key: Optional[str], measure: Callable[[tuple, bool], CostCurve], refresh: bool = False) -> CostCurve:
     """The curve cached under ``key`` (and the beam search's seconds under
     ``draft_key``, None without a drafter), measured with ``measure(sizes,
@@ -191,25 +196,13 @@ def cached_curve(key: str, draft_key: Optional[str], measure: Callable[[tuple, b
     ``steps`` what the engine's steps cost besides their passes."""
     path = cache_path()
     data = _read_cache(path)
-    entry, stored, draft = data.get(key), None, None
-    try:
-        # (an entry from before steps, or a longer context, were measured lacks them: measured again)
-        if isinstance(entry, dict) and "long_seconds" in entry:
-            stored = CostCurve.from_entry(entry)
-        if not refresh and draft_key in data:
-            draft = float(data[draft_key]["draft_seconds"])
-    except (KeyError, TypeError, ValueError) as e:
-        print(f"warning: the cost cache {path} has a bad entry ({e}); measuring again", file=sys.stderr)
-        stored = draft = None
-    # A stale curve is kept aside: what is measured now is compared with it.
-    curve = stored if stored is not None and not refresh and not entry.get("stale") else None
+    curve, draft = (None, None) if refresh else _entries(data, key, draft_key, path)
     if curve is None or (draft_key and draft is None):
         what = "this machine's verification cost" if curve is None else "the drafter's search cost"
         print(f"measuring {what} for this model (a few seconds; cached in {path})...", file=sys.stderr, flush=True)
         measured = measure(SIZES if curve is None else (1,), curve is None)
         if curve is None:
             curve = measured
-            curve.confirmed = stored is not None and stored.agrees(measured)
             data[key] = curve.entry()
         if draft_key:
             draft = measured.draft_seconds
@@ -217,12 +210,3 @@ def cached_curve(key: str, draft_key: Optional[str], measure: Callable[[tuple, b
         _write_cache(path, data)
     curve.draft_seconds = draft or 0.0
     return curve
-
-
-def mark_stale(key: str) -> None:
-    """Mark a cached curve as no longer true: its next use measures it again."""
-    path = cache_path()
-    data = _read_cache(path)
-    if isinstance(data.get(key), dict):
-        data[key]["stale"] = True
-        _write_cache(path, data)

@@ -14,8 +14,6 @@ values (``TreeKVCache``, sliding windows included) or a recurrent state
 ``engine.recurrent``).
 """
 
-from typing import Optional
-
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
@@ -52,7 +50,7 @@ class BaseModel:
         else:
             self.head_layer = embedding  # tied
             self.head = self.head_layer.as_linear
-        self.layer_caches = self._layer_caches(model, kind)
+        self.layer_caches, self.windows = self._layer_caches(model, kind)
         self.num_layers = len(self.layer_caches)
         # Split over ranks (``engine.distributed``): the layers other ranks run.
         self.ranks = ranks
@@ -72,21 +70,25 @@ class BaseModel:
         self.dtype = self.embed(mx.array([0])).dtype  # what the model computes in
 
     @staticmethod
-    def _layer_caches(model: nn.Module, kind: str) -> list:
+    def _layer_caches(model: nn.Module, kind: str) -> tuple[list, list]:
         """Per cache the model takes: None for keys and values, else the
-        number of state arrays of a recurrent layer."""
+        number of state arrays of a recurrent layer; and the window of a
+        sliding-window layer (the size of its ``RotatingKVCache``; None for
+        others, and for a window that keeps its first tokens too)."""
         make = getattr(model, "make_cache", None)
         if make is None:
-            return [None] * len(model.layers)
-        sizes = []
+            return [None] * len(model.layers), [None] * len(model.layers)
+        sizes, windows = [], []
         for i, c in enumerate(make()):
             if isinstance(c, (KVCache, RotatingKVCache)):
                 sizes.append(None)
+                windows.append(c.max_size if isinstance(c, RotatingKVCache) and not c.keep else None)
             elif type(c) is ArraysCache:
                 sizes.append(len(c.cache))
+                windows.append(None)
             else:
                 raise UserError(f"unsupported model type {kind}: layer {i} keeps a {type(c).__name__}, which the engine cannot verify a draft with")
-        return sizes
+        return sizes, windows
 
     def _skipped_caches(self, layers: list, kind: str) -> list[bool]:
         """Per cache, whether its layer is one another rank runs. Caches
@@ -137,8 +139,8 @@ class BaseModel:
         layout = CacheLayout(left_padding)
         return layout, [
             # (a skipped recurrent layer's state stays empty)
-            RecurrentCache(layout, size) if size is not None else SkippedCache(layout) if skipped else TreeKVCache(layout)
-            for size, skipped in zip(self.layer_caches, self.skipped)
+            RecurrentCache(layout, size) if size is not None else SkippedCache(layout) if skipped else TreeKVCache(layout, window)
+            for size, skipped, window in zip(self.layer_caches, self.skipped, self.windows)
         ]
 
     def __call__(self, tokens: mx.array, cache: list) -> tuple[mx.array, mx.array]:

@@ -134,12 +134,22 @@ class CacheLayout:
         self._moves = (path, accepted, moves)
         return moves
 
+    def window_start(self, window_size: Optional[int]) -> int:
+        """The first buffer position a sliding-window layer reads for the
+        block being fed: no query of any row sees a key before it (a row's
+        first query, at its length, sees the ``window_size - 1`` keys before
+        it). A windowed layer attends to its keys from here on, as mlx-lm's
+        rotating cache keeps only its window; 0 without a window."""
+        if window_size is None:
+            return 0
+        return max(int(self.lengths.min()) - window_size + 1, 0)
+
     def mask(self, num_tokens: int, window_size: Optional[int], return_array: bool = False) -> Optional[mx.array]:
-        """(B, 1, N, start + N) bool: which keys each query of the block
-        sees; None where one token of a chunk sees every key (no left
-        padding, nothing past a window), as mlx-lm's own cache answers."""
-        if (num_tokens == 1 and self._depths is None and not return_array and not self.left_padding.any()
-                and (window_size is None or self.start < window_size)):
+        """(B, 1, N, start + N - window_start) bool: which keys each query of
+        the block sees, of those its layer reads (``window_start`` on); None
+        where one token of a chunk sees every key it reads (no left
+        padding), as mlx-lm's own cache answers."""
+        if num_tokens == 1 and self._depths is None and not return_array and not self.left_padding.any():
             return None
         if window_size not in self._masks:
             self._masks[window_size] = self._make_mask(num_tokens, window_size)
@@ -147,7 +157,7 @@ class CacheLayout:
 
     def _make_mask(self, num_tokens: int, window_size: Optional[int]) -> mx.array:
         start = self.start
-        keys = mx.arange(start + num_tokens)[None, None, :]  # (1, 1, S)
+        keys = mx.arange(self.window_start(window_size), start + num_tokens)[None, None, :]  # (1, 1, S)
         pad = mx.array(self.left_padding, mx.int32)[:, None, None]
         length = mx.array(self.lengths, mx.int32)[:, None, None]
         block_index = keys - start
@@ -160,9 +170,10 @@ class CacheLayout:
             query_pos = length - pad + query
             key_depth = block_index
         else:
-            block = mx.pad(self._tree_mask, [(0, 0), (0, 0), (start, 0)])
+            first = self.window_start(window_size)
+            block = mx.pad(self._tree_mask, [(0, 0), (0, 0), (start - first, 0)])
             query_pos = length - pad + self._depths[:, :, None]
-            key_depth = mx.pad(self._depths, [(0, 0), (start, 0)])[:, None, :]
+            key_depth = mx.pad(self._depths, [(0, 0), (start - first, 0)])[:, None, :]
         visible = committed | block
         if window_size is not None:
             key_pos = mx.where(block_index >= 0, length - pad + key_depth, keys - pad)
@@ -223,10 +234,15 @@ class StepCache:
 
 
 class TreeKVCache(StepCache):
-    """One layer's keys and values, (B, kv_heads, capacity, head_dim)."""
+    """One layer's keys and values, (B, kv_heads, capacity, head_dim).
 
-    def __init__(self, layout: CacheLayout):
-        self.layout = layout
+    window: a sliding-window layer's window (None: it reads every key). Its
+    buffer keeps every key, as prompt caches reuse any prefix of it, but a
+    pass reads only the keys its window reaches (``CacheLayout.window_start``):
+    what it costs does not grow with the context."""
+
+    def __init__(self, layout: CacheLayout, window: Optional[int] = None):
+        self.layout, self.window = layout, window
         self.keys: Optional[mx.array] = None
         self.values: Optional[mx.array] = None
         self.block_end = 0  # where the block last fed ends
@@ -246,7 +262,8 @@ class TreeKVCache(StepCache):
         self.keys[..., start:end, :] = keys
         self.values[..., start:end, :] = values
         self.block_end = end
-        return self.keys[..., :end, :], self.values[..., :end, :]
+        first = self.layout.window_start(self.window)
+        return self.keys[..., first:end, :], self.values[..., first:end, :]
 
     def _grow(self, keys: mx.array, values: mx.array, needed: int) -> None:
         capacity = (needed + STEP - 1) // STEP * STEP

@@ -13,7 +13,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..drafting.beam_search import beam_search
-from ..drafting.cost import CONTEXT, LONG_CONTEXT, LONG_SIZES, SIZES, CostCurve, cached_curve, machine_key, mark_stale
+from ..drafting.cost import CONTEXT, LONG_CONTEXT, LONG_SIZES, SIZES, CostCurve, cached_curve, machine_key, stored
 from .prefill import prefill
 from .recurrent import RecurrentCache
 from .types import ReDrafter
@@ -133,6 +133,19 @@ def curve_key(redrafter: ReDrafter, batch_size: int) -> str:
     return f"{machine_key()}|pass {PASS_REVISION}|model {redrafter.identity}|{redrafter.base.dtype}|batch {batch_size}"
 
 
+def _draft_key(redrafter: ReDrafter, key: str, beam_shape: Optional[tuple]) -> Optional[str]:
+    if beam_shape and redrafter.drafter is not None:
+        return f"{key}|drafter {redrafter.drafter_identity}|beams {'x'.join(map(str, beam_shape))}"
+    return None
+
+
+def stored_curve(redrafter: ReDrafter, batch_size: int, beam_shape: Optional[tuple] = None) -> Optional[CostCurve]:
+    """The curve on disk for this batch size (with the search's cost, when
+    a drafter searches), or None: nothing is measured."""
+    key = curve_key(redrafter, batch_size)
+    return stored(key, _draft_key(redrafter, key, beam_shape))
+
+
 def cost_curve(redrafter: ReDrafter, batch_size: int, beam_shape: Optional[tuple] = None, refresh: bool = False,
                step_costs: Optional[Callable] = None) -> CostCurve:
     """The cached curve for this machine, model, dtype and batch size, with
@@ -145,52 +158,6 @@ def cost_curve(redrafter: ReDrafter, batch_size: int, beam_shape: Optional[tuple
             print("measuring the split model's verification cost, hops included (a few seconds, at every start)...", file=sys.stderr, flush=True)
         return measure(redrafter, batch_size, beam_shape, step_costs=step_costs)
     key = curve_key(redrafter, batch_size)
-    draft_key = None
-    if beam_shape and redrafter.drafter is not None:
-        draft_key = f"{key}|drafter {redrafter.drafter_identity}|beams {'x'.join(map(str, beam_shape))}"
+    draft_key = _draft_key(redrafter, key, beam_shape)
     return cached_curve(key, draft_key, lambda sizes, steps: measure(redrafter, batch_size, beam_shape, sizes=sizes,
                                                                       step_costs=step_costs if steps else None), refresh)
-
-
-def forget_curve(redrafter: ReDrafter, batch_size: int) -> None:
-    """Mark the cached curve of this batch size stale: its next use measures it again."""
-    if not redrafter.base.ranks.several:  # a split model's curve is never on disk
-        mark_stale(curve_key(redrafter, batch_size))
-
-
-class DriftCheck:
-    """Whether real steps still follow a cost curve.
-
-    Each step's wall seconds over the seconds the curve gave it (its pass,
-    and what a step costs besides: the curve knows both) are kept as a
-    running ratio per range of node counts, and for plain steps apart. The
-    curve has drifted when steps run well below it (it was measured on a
-    busier machine), far above it, or when the ranges of drafting steps
-    disagree (its shape is wrong, which misleads the node budget).
-
-    low: whether steps well below the curve count; not for a curve that
-    measuring again gave back (``CostCurve.confirmed``), which steps run
-    below by the way they run, however often it is measured."""
-
-    BOUNDS = (2, 5, 10)  # node counts per row up to 2, 3-5, 6-10, more
-    LOW, HIGH, SHAPE = 0.75, 2.0, 1.4  # tolerated ratios, and between ranges
-    SEEN = 8  # steps a range needs before it counts
-    MEMORY = 0.9
-
-    def __init__(self, low: bool = True):
-        self.low = low
-        self.ratios, self.counts = {}, {}
-
-    def add(self, nodes: int, seconds: float, predicted: float, plain: bool = False) -> None:
-        bucket = "plain" if plain else sum(nodes > b for b in self.BOUNDS)
-        ratio, past = seconds / predicted, self.ratios.get(bucket)
-        self.ratios[bucket] = ratio if past is None else self.MEMORY * past + (1 - self.MEMORY) * ratio
-        self.counts[bucket] = self.counts.get(bucket, 0) + 1
-
-    def drifted(self) -> bool:
-        seen = {b: r for b, r in self.ratios.items() if self.counts[b] >= self.SEEN}
-        if not seen:
-            return False
-        trees = [r for b, r in seen.items() if b != "plain"]
-        shape = len(trees) > 1 and max(trees) / min(trees) > self.SHAPE
-        return (self.low and min(seen.values()) < self.LOW) or max(seen.values()) > self.HIGH or shape

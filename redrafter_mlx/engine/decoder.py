@@ -22,6 +22,7 @@ positions and no mask, that mlx-lm's own loop feeds.
 
 import statistics
 import time
+from dataclasses import dataclass
 from typing import Callable, Iterator, Optional, Sequence
 
 import mlx.core as mx
@@ -33,14 +34,25 @@ from ..drafting.settings import DraftSettings
 from ..drafting.speculator import Plan, Speculator
 from ..drafting.tree import pack
 from ..errors import UserError
-from . import calibrate
 from .acceptance import accept
 from .cache import extend_batch
-from .prefill import PREFILL_STEP_SIZE, check_prompts, prefill
+from .costs import StepCosts
+from .prefill import PREFILL_STEP_SIZE, Prefill, check_prompts
 from .profile import StepProfile
 from .rows import RowTracker
 from .sampling import greedy
 from .types import Chooser, ReDrafter, StepOutput, TokenHistory
+
+
+@dataclass
+class Joining:
+    """Prompts on their way into the batch (``Decoder.begin_join``): their
+    token limits, the caller's ids for them, and their prefill so far."""
+
+    prompts: list
+    limits: list
+    ids: list
+    prefill: Prefill
 
 
 class Decoder:
@@ -55,12 +67,10 @@ class Decoder:
 
     choose sees ``TokenHistory.rows`` = the ids given to ``join``.
     cost_batch_sizes: batch sizes whose cost curves size the trees; a step
-    of B rows uses the smallest one >= B (else the largest). Each is
-    measured on first use and cached on disk (``calibrate.cost_curve``),
-    and kept true: a curve real steps stopped following is measured again
-    between requests (``_check_curve``, ``join``). cost_curve: one
-    ``CostCurve`` for every batch size, used as it is (benchmarks, which
-    must not measure while they time).
+    of B rows uses the smallest one >= B (else the largest). Steps are
+    sized by ``costs`` (``costs.StepCosts``): the measured curve, kept true
+    by what the steps themselves cost. cost_curve: one ``CostCurve`` for
+    every batch size and context, used as it is (tests).
     profile: a ``StepProfile`` to time each phase (extra synchronisations).
     with_hidden: each output of a plain step (and of ``join``) carries the
     hidden state its token was chosen from (``StepOutput.hidden``;
@@ -82,9 +92,8 @@ class Decoder:
     ):
         self.redrafter, self.draft, self.choose = redrafter, draft, choose
         self.prefill_step_size, self.profile, self.with_hidden = prefill_step_size, profile, with_hidden
-        self.cost_batch_sizes = sorted(cost_batch_sizes)
-        self.fixed_curve = cost_curve
-        self.costs = {}
+        shape = draft.search_shape(redrafter.drafter) if redrafter.drafter is not None else None
+        self.costs = StepCosts(redrafter, cost_batch_sizes, shape, cost_curve, sized=draft.max_nodes is None, step_costs=fixed_costs)
         self.tracker = RowTracker([], 0, eos_token_ids)
         self.speculator = Speculator(
             draft, redrafter.drafter is not None, redrafter.acceptance, redrafter.datastore, redrafter.answers, chains=redrafter.base.recurrent
@@ -95,8 +104,8 @@ class Decoder:
         # log-probability arrays or None), lazy, for the rows in batch order;
         # its fed tokens are committed.
         self.ahead = None
-        self.drift: dict = {}  # batch size of a curve -> DriftCheck of the steps sized by it
-        self.stale: set = set()  # curves that drifted: measured again when the batch is next empty
+        self.plain_since: Optional[tuple] = None  # (when, batch size) the last pipelined plain step's token was read
+        self.returned = 0.0  # when the last step returned
         self.constants: dict = {}  # (batch size, ahead) -> a plain pass's depths and mask
 
     @property
@@ -112,78 +121,42 @@ class Decoder:
                                       partial, first)
         return beams, mx.exp(logprobs)
 
-    def cost(self, batch_size: int):
-        """The cost curve a step of this many rows is sized by (None with a
-        fixed max_nodes), measured here if this process has none yet."""
-        if self.draft.max_nodes is not None:
-            return None
-        if self.fixed_curve is not None:
-            return self.fixed_curve
-        size = self.curve_size(batch_size)
-        if size not in self.costs:
-            shape = self.draft.search_shape(self.redrafter.drafter) if self.redrafter.drafter else None
-            self.costs[size] = calibrate.cost_curve(self.redrafter, size, shape, refresh=size in self.stale, step_costs=fixed_costs)
-            self.stale.discard(size)
-            self.drift[size] = calibrate.DriftCheck(low=not self.costs[size].confirmed)
-        return self.costs[size]
-
-    def refresh_curves(self) -> None:
-        """Between requests (no row decoding): measure again the curves the
-        steps found drifting, on every rank of a split model (rank 0's
-        steps decide). The scheduler calls it while it waits for requests,
-        ``join`` when a prompt finds the batch empty."""
-        ranks = self.redrafter.base.ranks
-        self.stale = set(ranks.broadcast(sorted(self.stale) if ranks.rank == 0 else None))
-        for size in list(self.stale):
-            self.costs.pop(size, None)
-            self.cost(size)
-
-    def curve_size(self, batch_size: int) -> int:
-        return next((b for b in self.cost_batch_sizes if b >= batch_size), self.cost_batch_sizes[-1])
-
-    def _check_curve(self, plan: Plan, nodes: int, seconds: float) -> None:
-        """Compare the drafting step just run with its curve; a curve that
-        drifted is dropped from the disk cache now, and measured again when
-        the batch is next empty (between requests; never inside a running
-        batch's steps) or by the next process (in a split, where rank 0
-        found it drifting)."""
-        if self.fixed_curve is not None or self.draft.max_nodes is not None:
-            return
-        size = self.curve_size(len(self.tracker.rows))
-        check = self.drift.get(size)
-        if check is None or size in self.stale:
-            return
-        check.add(nodes, seconds, plan.predicted, plan.mode == "plain")
-        if check.drifted():
-            self.stale.add(size)
-            calibrate.forget_curve(self.redrafter, size)
-
     def join(self, prompts: Sequence[Sequence[int]], max_tokens, ids: Optional[Sequence[int]] = None, prompt_caches=None) -> list[StepOutput]:
         """Prefill prompts and add them to the batch; returns each one's
         first token, in order and last (before them: the tokens of running
         rows whose plain pass had run ahead). max_tokens: one for all, or one per prompt.
         ids: each prompt's index in the caller's input list (default 0, 1, ...)."""
+        return self.finish_join(self.begin_join(prompts, max_tokens, ids, prompt_caches))
+
+    def begin_join(self, prompts: Sequence[Sequence[int]], max_tokens, ids: Optional[Sequence[int]] = None, prompt_caches=None) -> Joining:
+        """``join`` in two halves, with the batch's steps between them: the
+        prompts are checked here, their prefill runs a chunk at a time
+        (``Joining.prefill.advance``) while the running rows step, and
+        ``finish_join`` feeds the rest and adds them to the batch."""
         base = self.redrafter.base
-        if self.profile is not None:
-            self.profile.restart()
         check_prompts(base, prompts)
         limits = [max_tokens] * len(prompts) if isinstance(max_tokens, int) else list(max_tokens)
         ids = list(range(len(prompts))) if ids is None else list(ids)
         for c in prompt_caches or ():
             if c is not None:
                 c.check(self.redrafter.identity, base.num_layers)
+        return Joining(list(prompts), limits, ids, Prefill(base, prompts, self.prefill_step_size, prompt_caches))
+
+    def finish_join(self, coming: Joining) -> list[StepOutput]:
+        """The second half of ``join``: returns what ``join`` returns."""
+        prompts, limits, ids = coming.prompts, coming.limits, coming.ids
+        if self.profile is not None:
+            self.profile.restart()
         ready = self._resolve_ahead()
+        self.plain_since = None
         staying = sum(r not in self.leaving for r in self.tracker.rows)
-        if not staying:
-            self.refresh_curves()
-        # What can pay on this curve is known before the prefill, which
-        # runs the first search when the RNN drafts.
-        cost = self.cost(staying + len(prompts))
-        self.speculator.judge(cost if cost is None else cost.at(max(map(len, prompts))))
+        # What can pay on this curve is known before the first search,
+        # which runs now when the RNN drafts.
+        self.speculator.judge(self.costs.curve(staying + len(prompts), max(map(len, prompts))))
         joining = [self.tracker.add(p, m, i) for p, m, i in zip(prompts, limits, ids)]
         for r, i in zip(joining, ids):
             self.speculator.track(r, self.tracker.context[r], self.choose.is_sampled(i))
-        layout, cache, hidden, logits = prefill(base, prompts, self.prefill_step_size, prompt_caches)
+        layout, cache, hidden, logits = coming.prefill.finish()
         first, logprobs = self._choose(logits, self.tracker.history(rows=joining))
         first = first[:, 0]
         # Joining a running batch, the new rows draft as the batch does.
@@ -270,9 +243,7 @@ class Decoder:
         tracker = self.tracker
         if not tracker.rows:
             return []
-        cost = self.cost(len(tracker.rows))  # measured on first use, before the step's clock starts
-        if cost is not None:
-            cost = cost.at(self.layout.start)  # (the keys this step's pass reads)
+        cost = self.costs.curve(len(tracker.rows), self.layout.start)  # (the keys this step's pass reads)
         tic = time.perf_counter()
         roots = [tracker.context[r][-1] for r in tracker.rows]
         base = self.redrafter.base
@@ -280,8 +251,11 @@ class Decoder:
         plan = self.speculator.plan(tracker.rows, roots, *(self.rnn or (None, None)), cost=cost, ahead=self.ahead is not None,
                                     may_run_ahead=may_run_ahead)
         if plan.mode == "plain":
-            return self._finished(self._plain_step(plan, roots, tic))
-        return self._finished(self._tree_step(plan, tic))
+            outputs = self._plain_step(plan, roots, tic)
+        else:
+            outputs, self.plain_since = self._tree_step(plan, tic), None
+        self.returned = time.perf_counter()
+        return self._finished(outputs)
 
     def _tree_step(self, plan: Plan, tic: float) -> list[StepOutput]:
         """Verify the plan's trees and keep each row's accepted path."""
@@ -325,7 +299,7 @@ class Decoder:
         if profile is not None:
             profile.lap("commit", [c.state_arrays() for c in self.cache])
         self.speculator.observe(plan.trees, path, num_accepted)
-        self._check_curve(plan, max(tree.num_nodes), seconds)
+        self.costs.observe(len(tracker.rows), self.layout.start, max(tree.num_nodes), seconds, plan.search)
         self.layout.commit(num_accepted + 1)
         outputs = tracker.emit(
             [tokens[i, : n + 1].tolist() for i, n in enumerate(num_accepted)], num_accepted.tolist(), tree.num_nodes,
@@ -401,9 +375,10 @@ class Decoder:
         ``plan.ahead``, the next step's pass is issued before this one's
         token is read."""
         tracker, profile = self.tracker, self.profile
-        # A pipelined step's wall time is not its pass's: only a step that
-        # waits for its own pass is held against the curve.
-        timed = self.ahead is None and not plan.ahead
+        # A pipelined step's wall time is not its pass's: a step that waits
+        # for its own pass is timed as a step, and pipelined ones from one
+        # token to the next.
+        timed, consumed = self.ahead is None and not plan.ahead, self.ahead is not None
         if self.ahead is None:
             token, hidden, logprobs = self._plain_pass(mx.array(roots, mx.int32)[:, None], ahead=False)
         else:
@@ -419,9 +394,15 @@ class Decoder:
             profile.steps += 1
         rnn = None if rnn is None else [np.array(a) for a in rnn]
         seconds, (token, self.rnn) = self._settle(tic, (np.array(token), rnn))
+        batch, read = len(roots), time.perf_counter()
         if timed:
-            self._check_curve(plan, 1, seconds)
-        batch = len(roots)
+            self.costs.observe(batch, self.layout.start, 1, seconds, plan.search)
+        elif consumed and self.plain_since is not None:
+            since, rows = self.plain_since
+            # (only when the caller's work between the two steps was short beside the pass)
+            if rows == batch and tic - self.returned < 0.25 * (read - since):
+                self.costs.observe_plain(batch, self.layout.start, read - since)
+        self.plain_since = (read, batch) if plan.ahead else None
         at_root = np.zeros((batch, 1), np.int64)
         outputs = tracker.emit([[t] for t in token.tolist()], [0] * batch, [1] * batch, logprobs=logprob_lists(logprobs, at_root))
         self._attach_hidden(outputs, hidden_rows, tracker.rows)
@@ -543,7 +524,7 @@ def generate_steps(
     )
     # This machine's cost curve, measured now if it must be (announced on
     # stderr): before the caller's clock starts, not inside the first step.
-    decoder.cost(len(prompts))
+    decoder.costs.measure(len(prompts))
     return _run(decoder, prompts, max_tokens, row_ids, prompt_caches)
 
 
@@ -553,7 +534,12 @@ def _run(decoder: Decoder, prompts, max_tokens, row_ids, prompt_caches) -> Itera
     while outputs:
         if prompt_caches is not None:
             for out in outputs:
-                if prompt_caches[out.row] is not None:
-                    prompt_caches[out.row].set(*decoder.prompt_cache(out.row), identity)
+                cache = prompt_caches[out.row]
+                if cache is None:
+                    continue
+                if out.finish_reason is not None:  # the row leaves the batch at the next step: its arrays now
+                    cache.set(*decoder.prompt_cache(out.row), identity)
+                else:  # taken when read (valid until the row leaves, when the above sets them)
+                    cache.follow(lambda row=out.row: decoder.prompt_cache(row), identity)
         yield outputs
         outputs = decoder.step()

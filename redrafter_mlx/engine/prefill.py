@@ -1,5 +1,6 @@
 """Prefill: feed the prompts (or what their prompt caches do not hold) and
-return the logits of the first new token, in chunks as mlx-lm does."""
+return the logits of the first new token, in chunks as mlx-lm does; a
+chunk at a time (``Prefill``) where the caller has other work between them."""
 
 from typing import Sequence
 
@@ -7,7 +8,7 @@ import mlx.core as mx
 
 from ..errors import UserError
 from .base_model import BaseModel
-from .cache import CacheLayout, extend_batch
+from .cache import extend_batch
 
 PREFILL_STEP_SIZE = 2048
 
@@ -25,54 +26,86 @@ def check_prompts(base: BaseModel, prompts: Sequence[Sequence[int]]) -> None:
         )
 
 
-def _feed(base: BaseModel, layout: CacheLayout, cache: list, tokens: mx.array, prefill_step_size: int):
-    """Feed aligned rows' tokens (B, T): all but the last in chunks, then
-    the last alone, the way mlx-lm's generation loop does it. Returns hidden
-    (B, hidden_size) and logits (B, 1, vocab) at the last token."""
-    length = tokens.shape[1]
-    for begin in range(0, length - 1, prefill_step_size):
-        end = min(begin + prefill_step_size, length - 1)
+class Prefill:
+    """Prompts being fed to a new batch, one chunk at a time, so that a
+    caller can stop between chunks (a client that went away) or run other
+    work between them (the steps of a running batch). ``advance`` feeds the
+    next chunk; once ``done``, ``finish`` feeds each prompt's last token and
+    returns what ``prefill`` returns.
+
+    Prompts are fed together, left-padded to one length; with
+    ``prompt_caches`` (a ``PromptCache`` or None per prompt) each prompt
+    starts from the prefix its cache holds and is fed alone. Every chunk
+    but the last token is fed as mlx-lm's generation loop feeds it: chunks
+    of ``prefill_step_size`` tokens, then the last token alone.
+    """
+
+    def __init__(self, base: BaseModel, prompts: Sequence[Sequence[int]], prefill_step_size: int = PREFILL_STEP_SIZE, prompt_caches=None):
+        self.base, self.step_size = base, prefill_step_size
+        # Per group of rows fed together: [layout, caches, tokens (B, T), tokens fed].
+        if prompt_caches is not None and any(c is not None and c.reusable(p) for p, c in zip(prompts, prompt_caches)):
+            self.groups = [self._from_cache(p, c) for p, c in zip(prompts, prompt_caches)]
+        else:
+            longest = max(len(p) for p in prompts)
+            left_padding = [longest - len(p) for p in prompts]
+            padded = mx.array([[0] * pad + list(p) for pad, p in zip(left_padding, prompts)], mx.int32)
+            self.groups = [[*base.make_cache(left_padding), padded, 0]]
+
+    def _from_cache(self, prompt: Sequence[int], prompt_cache) -> list:
+        reused = prompt_cache.reusable(prompt) if prompt_cache is not None else 0
+        layout, cache = self.base.make_cache([0])
+        if reused:
+            for c, keys, values in zip(cache, prompt_cache.keys, prompt_cache.values):
+                if values is None:  # a recurrent state, after all the cache's tokens (= reused)
+                    c.cache = list(keys)
+                else:
+                    c.keys, c.values = keys[..., :reused, :], values[..., :reused, :]
+            layout.lengths[:] = reused
+        return [layout, cache, mx.array([list(prompt[reused:])], mx.int32), 0]
+
+    @property
+    def tokens_left(self) -> int:
+        """Tokens per row still to feed before the last ones, over all groups."""
+        return sum(tokens.shape[1] - 1 - fed for _, _, tokens, fed in self.groups)
+
+    @property
+    def done(self) -> bool:
+        return self.tokens_left == 0
+
+    def advance(self) -> None:
+        """Feed the next chunk (of the first group with one left)."""
+        group = next(g for g in self.groups if g[3] < g[2].shape[1] - 1)
+        layout, cache, tokens, fed = group
+        end = min(fed + self.step_size, tokens.shape[1] - 1)
         layout.begin_chunk()
-        out = base.backbone(tokens[:, begin:end], cache=cache)
-        layout.end_chunk(end - begin)
+        out = self.base.backbone(tokens[:, fed:end], cache=cache)
+        layout.end_chunk(end - fed)
         # The output too: for a model split over ranks it carries the hops.
         mx.eval(out, [c.state_arrays() for c in cache])
-    layout.begin_chunk()
-    hidden, logits = base(tokens[:, -1:], cache)
-    layout.end_chunk(1)
-    return hidden[:, -1], logits
+        group[3] = end
+
+    def finish(self):
+        """Feed every row's last token (what is left of the chunks too):
+        (layout, caches, hidden (B, hidden_size), logits (B, 1, vocab)) at
+        each prompt's last token, the groups joined into one batch."""
+        while not self.done:
+            self.advance()
+        parts = []
+        for layout, cache, tokens, _ in self.groups:
+            layout.begin_chunk()
+            hidden, logits = self.base(tokens[:, -1:], cache)
+            layout.end_chunk(1)
+            parts.append((layout, cache, hidden[:, -1], logits))
+        layout, cache = parts[0][:2]
+        for other in parts[1:]:
+            extend_batch(layout, cache, other[0], other[1])
+        if len(parts) == 1:
+            return (*parts[0],)
+        return layout, cache, mx.concatenate([p[2] for p in parts]), mx.concatenate([p[3] for p in parts])
 
 
 def prefill(base: BaseModel, prompts: Sequence[Sequence[int]], prefill_step_size: int = PREFILL_STEP_SIZE, prompt_caches=None):
-    """Feed the left-padded prompts. With ``prompt_caches`` (a
-    ``PromptCache`` or None per prompt), a prompt starts from the prefix its
-    cache holds, and each prompt is fed alone.
-
-    Returns (layout, cache, hidden (B, hidden_size), logits (B, 1, vocab)) at
-    the last prompt token.
-    """
-    if prompt_caches is not None and any(c is not None and c.reusable(p) for p, c in zip(prompts, prompt_caches)):
-        parts = [_prefill_from_cache(base, p, c, prefill_step_size) for p, c in zip(prompts, prompt_caches)]
-        layout, cache, hidden, logits = parts[0]
-        for other in parts[1:]:
-            extend_batch(layout, cache, other[0], other[1])
-        return layout, cache, mx.concatenate([p[2] for p in parts]), mx.concatenate([p[3] for p in parts])
-    longest = max(len(p) for p in prompts)
-    left_padding = [longest - len(p) for p in prompts]
-    padded = mx.array([[0] * pad + list(p) for pad, p in zip(left_padding, prompts)], mx.int32)
-    layout, cache = base.make_cache(left_padding)
-    return (layout, cache, *_feed(base, layout, cache, padded, prefill_step_size))
-
-
-def _prefill_from_cache(base: BaseModel, prompt: Sequence[int], prompt_cache, prefill_step_size: int):
-    reused = prompt_cache.reusable(prompt) if prompt_cache is not None else 0
-    layout, cache = base.make_cache([0])
-    if reused:
-        for c, keys, values in zip(cache, prompt_cache.keys, prompt_cache.values):
-            if values is None:  # a recurrent state, after all the cache's tokens (= reused)
-                c.cache = list(keys)
-            else:
-                c.keys, c.values = keys[..., :reused, :], values[..., :reused, :]
-        layout.lengths[:] = reused
-    tokens = mx.array([list(prompt[reused:])], mx.int32)
-    return (layout, cache, *_feed(base, layout, cache, tokens, prefill_step_size))
+    """Feed the prompts whole (``Prefill``, to the end). Returns (layout,
+    cache, hidden (B, hidden_size), logits (B, 1, vocab)) at the last
+    prompt token."""
+    return Prefill(base, prompts, prefill_step_size, prompt_caches).finish()

@@ -15,7 +15,7 @@ tokens (the next turn of the conversation), and otherwise not at all.
 import json
 import os
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import mlx.core as mx
 
@@ -33,33 +33,48 @@ class PromptCache:
 
     Empty until a generation given it (``prompt_cache=``) fills it; each
     step of that generation replaces the whole state at once, so a cache is
-    consistent whenever the generation is interrupted.
+    consistent whenever the generation is interrupted. While the generation
+    runs, the cache follows it (``follow``) and takes its arrays only when
+    read: holding views of the running batch's buffers would make every
+    step copy them whole instead of writing its keys in place.
     """
 
     def __init__(self, tokens: Sequence[int] = (), keys: Sequence = (), values: Sequence = (), model: str = ""):
         self._state = (list(tokens), list(keys), list(values))
+        self._fetch: Optional[Callable[[], tuple]] = None
         self.model = model
+
+    def _read(self) -> tuple:
+        if self._fetch is not None:
+            self._state, self._fetch = self._fetch(), None
+        return self._state
 
     @property
     def tokens(self) -> list:
-        return self._state[0]
+        return self._read()[0]
 
     @property
     def keys(self) -> list:
-        return self._state[1]
+        return self._read()[1]
 
     @property
     def values(self) -> list:
-        return self._state[2]
+        return self._read()[2]
 
     def __len__(self) -> int:
         return len(self.tokens)
 
     def set(self, tokens: list, keys: list, values: list, model: str) -> None:
-        self._state, self.model = (tokens, keys, values), model
+        self._state, self._fetch, self.model = (tokens, keys, values), None, model
+
+    def follow(self, fetch: Callable[[], tuple], model: str) -> None:
+        """The state is what ``fetch()`` -> (tokens, keys, values) gives when
+        the cache is next read (a running generation's state, which must be
+        fetchable until then)."""
+        self._fetch, self.model = fetch, model
 
     def clear(self) -> None:
-        self._state = ([], [], [])
+        self._state, self._fetch = ([], [], []), None
 
     @property
     def recurrent(self) -> bool:
@@ -93,6 +108,12 @@ class PromptCache:
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.arrays())
+
+    def cut(self, length: int) -> "PromptCache":
+        """A cache of the first ``length`` tokens (views of these arrays);
+        not for recurrent layers, whose state is after all the tokens."""
+        assert not self.recurrent, "a recurrent state cannot be cut"
+        return PromptCache(self.tokens[:length], [k[..., :length, :] for k in self.keys], [v[..., :length, :] for v in self.values], self.model)
 
     def compact(self) -> "PromptCache":
         """A copy that owns just its own memory (a cache a generation filled

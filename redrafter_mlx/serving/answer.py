@@ -12,7 +12,7 @@ from typing import Optional
 from .requests import Job
 from .scheduler import Event
 from .stop_strings import StopStrings
-from .tools import ToolCallText
+from .tools import ToolCallText, ToolFormat
 
 POLL_SECONDS = 0.25  # how often a waiting request checks that its client is still there
 
@@ -32,11 +32,12 @@ KEEP_ALIVE = Part()  # yielded while nothing came for a while (a streamed answer
 
 
 class Answer:
-    def __init__(self, tokenizer, job: Job, ticket, scheduler):
+    def __init__(self, tokenizer, job: Job, ticket, scheduler, syntax: ToolFormat):
+        """syntax: how the model writes tool calls (read when the job has tools)."""
         self.tokenizer, self.job, self.ticket, self.scheduler = tokenizer, job, ticket, scheduler
         self.detokenizer = tokenizer.detokenizer
         self.stops = StopStrings(job.stops)
-        self.tools = ToolCallText(tokenizer, job.tools) if job.tools else None
+        self.tools = ToolCallText(syntax, job.tools) if job.tools else None
         self.completion_tokens = self.cached_tokens = self.steps = self.step_tokens = self.step_nodes = 0
         self.finish_reason: Optional[str] = None
         self.stop_sequence: Optional[str] = None
@@ -143,9 +144,13 @@ class Answer:
             part.calls.append(made)
 
     def extension(self) -> dict:
-        """The ``redrafter`` field: verification steps and what they gave."""
-        return {
+        """The ``redrafter`` field: verification steps and what they gave,
+        and the tools left out of the prompt (hosted tools), if any."""
+        extension = {
             "steps": self.steps,
             "tokens_per_step": self.step_tokens / self.steps if self.steps else 0.0,
             "nodes_per_step": self.step_nodes / self.steps if self.steps else 0.0,
         }
+        if self.job.left_out:
+            extension["tools_left_out"] = list(self.job.left_out)
+        return extension

@@ -14,9 +14,9 @@ from typing import Optional
 
 from ..engine.sampling import MASK64, SamplingSettings
 from ..errors import UserError
-from .api import encode_prompt
+from .chat_format import ChatRenderer
 from .scheduler import Request
-from .tools import forced_opening, supports_tools, template_messages
+from .tools import forced_opening
 
 
 class BadRequest(Exception):
@@ -38,6 +38,8 @@ class Job:
     prompt log keeps. tools: the request's tools in OpenAI's form (None:
     none, or ``tool_choice`` "none"); their calls are then read from the
     answer. logprobs: None, or how many alternatives to report per token.
+    left_out: the names of tools left out of the prompt (hosted tools this
+    server cannot run). echo: what the answer repeats of the request.
     """
 
     request: Request
@@ -48,16 +50,21 @@ class Job:
     logged: list = field(default_factory=list)
     tools: Optional[list] = None
     logprobs: Optional[int] = None
+    left_out: list = field(default_factory=list)
+    echo: dict = field(default_factory=dict)
 
 
 @dataclass
 class Context:
-    """What parsing needs from the server."""
+    """What parsing needs from the server: the tokenizer and how it renders
+    conversations, the vocabulary's size, the model's context (None:
+    unknown) and the default answer length."""
 
     tokenizer: object
     vocab_size: int
     max_context: Optional[int]
     max_tokens: int
+    renderer: ChatRenderer
 
 
 def number(body: dict, name: str, default, low=None, high=None, integer=False, low_open=False):
@@ -165,18 +172,10 @@ def template_kwargs(body: dict) -> dict:
 
 
 def render(ctx: Context, messages: list, tools: Optional[list], extra: dict, param: str = "messages") -> list:
-    """Token ids of a conversation through the model's chat template, with
-    its tools and the request's template arguments."""
-    tokenizer = ctx.tokenizer
-    if not getattr(tokenizer, "has_chat_template", False):
-        raise BadRequest("this model has no chat template; use /v1/completions", param)
-    if tools and not supports_tools(tokenizer):
-        raise BadRequest("this model's chat template has no tool support (no tool-call format of mlx-lm's is recognised in it)", "tools")
-    options = dict(extra)
-    if tools:
-        options["tools"] = tools
+    """Token ids of a conversation (``chat_format.ChatRenderer``), with the
+    tools calls may be made to and the request's template arguments."""
     try:
-        return encode_prompt(tokenizer, template_messages(messages), template_options=options)
+        return ctx.renderer.encode(messages, tools, extra)
     except UserError as e:
         raise BadRequest(str(e), param) from None
 
@@ -218,6 +217,6 @@ def forcing(ctx: Context, required: bool, name: Optional[str]) -> tuple:
     if not required:
         return ()
     try:
-        return tuple(forced_opening(ctx.tokenizer, name))
+        return tuple(forced_opening(ctx.tokenizer, ctx.renderer.tools, name))
     except UserError as e:
         raise BadRequest(str(e), "tool_choice") from None

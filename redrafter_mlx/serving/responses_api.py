@@ -20,7 +20,7 @@ refers to stored state (``previous_response_id``, ``conversation``,
 import json
 import secrets
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from itertools import count
 from typing import Optional
 
@@ -46,12 +46,24 @@ def error_body(message: str, status: int, param: Optional[str] = None, code: Opt
     return openai_api.error_body(message, status, param, code)
 
 
-@dataclass
-class ResponsesJob(Job):
-    """A ``Job`` with what its Response echoes of the request (instructions,
-    limits, tools and tool_choice as sent, metadata)."""
+@dataclass(frozen=True)
+class ToolName:
+    """What a tool name the model sees stands for: a function (in a
+    ``namespace`` tool, or none), or a ``custom`` tool, whose one text
+    input the model writes as the argument ``input``."""
 
-    echo: dict = field(default_factory=dict)
+    name: str
+    namespace: Optional[str] = None
+    custom: bool = False
+
+    @property
+    def shown(self) -> str:
+        """The name the model calls it by: a namespace's functions as
+        ``namespace.name`` (unique beside the flat functions)."""
+        return f"{self.namespace}.{self.name}" if self.namespace else self.name
+
+
+CUSTOM_PARAMETERS = {"type": "object", "properties": {"input": {"type": "string"}}, "required": ["input"]}
 
 
 def _text(content, where: str) -> str:
@@ -65,6 +77,8 @@ def _text(content, where: str) -> str:
         kind = part.get("type") if isinstance(part, dict) else None
         if kind in TEXT_PARTS and isinstance(part.get("text"), str):
             text += part["text"]
+        elif kind == "refusal" and isinstance(part.get("refusal"), str):
+            text += part["refusal"]
         elif isinstance(kind, str) and kind not in TEXT_PARTS:
             raise BadRequest(f"'{where}[{j}]' is a {kind!r} part; this server takes text only ({', '.join(TEXT_PARTS)})", "input")
         else:
@@ -78,9 +92,20 @@ def _string(item: dict, key: str, where: str) -> str:
     return item[key]
 
 
+def _call(call: dict, out: list) -> None:
+    """An assistant's tool call joins the assistant message before it (a
+    call right after the assistant's text, or after another call)."""
+    if out and out[-1]["role"] == "assistant":
+        out[-1].setdefault("tool_calls", []).append(call)
+    else:
+        out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+
+
 def conversation(body: dict) -> list:
     """The instructions (a system message first) and the input items as
-    chat messages, in the form the chat route hands its chat template."""
+    chat messages, in the form the chat route hands its chat template.
+    Reasoning items are left out: the model does not reason (and their
+    content is encrypted for another model)."""
     out = []
     instructions = body.get("instructions")
     if instructions is not None:
@@ -104,40 +129,76 @@ def conversation(body: dict) -> list:
                 raise BadRequest(f"'{where}' needs a 'content'", "input")
             out.append({"role": ROLES[item["role"]], "content": _text(item["content"], f"{where}.content")})
         elif kind == "function_call":
-            call = {"id": _string(item, "call_id", where), "type": "function",
-                    "function": {"name": _string(item, "name", where), "arguments": _string(item, "arguments", where)}}
-            if out and out[-1]["role"] == "assistant":
-                out[-1].setdefault("tool_calls", []).append(call)
-            else:
-                out.append({"role": "assistant", "content": "", "tool_calls": [call]})
-        elif kind == "function_call_output":
+            namespace = item.get("namespace")
+            if namespace is not None and not isinstance(namespace, str):
+                raise BadRequest(f"'{where}.namespace' must be a string", "input")
+            shown = ToolName(_string(item, "name", where), namespace).shown
+            _call({"id": _string(item, "call_id", where), "type": "function",
+                   "function": {"name": shown, "arguments": _string(item, "arguments", where)}}, out)
+        elif kind == "custom_tool_call":
+            arguments = json.dumps({"input": _string(item, "input", where)}, ensure_ascii=False)
+            shown = ToolName(_string(item, "name", where), item.get("namespace") or None).shown
+            _call({"id": _string(item, "call_id", where), "type": "function", "function": {"name": shown, "arguments": arguments}}, out)
+        elif kind in ("function_call_output", "custom_tool_call_output"):
             if "output" not in item:
                 raise BadRequest(f"'{where}' needs an 'output'", "input")
             out.append({"role": "tool", "tool_call_id": _string(item, "call_id", where), "content": _text(item["output"], f"{where}.output")})
+        elif kind == "reasoning":
+            continue
         else:
-            raise BadRequest(f"'{where}' is an item of type {json.dumps(kind)}, which this server does not take; "
-                             "it takes message, function_call and function_call_output items", "input")
+            raise BadRequest(f"'{where}' is an item of type {json.dumps(kind)}, which this server does not take; it takes message, "
+                             "function_call, function_call_output, custom_tool_call, custom_tool_call_output and reasoning items", "input")
     return out
 
 
-def tool_list(value) -> Optional[list]:
-    """The Responses API's flat function tools in the chat route's nested form."""
+def _function(tool: dict, where: str, name: ToolName) -> dict:
+    """One function or custom tool in the chat route's nested form, named as the model sees it."""
+    if name.custom:
+        description = tool.get("description") or ""
+        return {"type": "function", "function": {"name": name.shown, "description": description, "parameters": CUSTOM_PARAMETERS}}
+    if not isinstance(tool.get("parameters", {}), (dict, type(None))):
+        raise BadRequest(f"'{where}.parameters' must be a JSON schema object", "tools")
+    return {"type": "function", "function": {"name": name.shown, "description": tool.get("description") or "",
+                                             "parameters": tool.get("parameters") or {"type": "object", "properties": {}}}}
+
+
+def tool_list(value) -> tuple[Optional[list], dict, list]:
+    """The Responses API's tools in the chat route's nested form: flat
+    function tools, the functions of ``namespace`` tools (named
+    ``namespace.name``), and ``custom`` tools (one text input, written as
+    the argument ``input``). Returns (those tools, what each name the model
+    sees stands for, the tools left out of the prompt: hosted tools such as
+    ``web_search``, which this server cannot run)."""
     if value is None:
-        return None
+        return None, {}, []
     if not isinstance(value, list):
         raise BadRequest("'tools' must be a list of {\"type\": \"function\", \"name\", \"description\", \"parameters\"}", "tools")
-    out = []
-    for i, tool in enumerate(value):
+    out, names, left_out = [], {}, []
+
+    def add(tool, where: str, namespace: Optional[str] = None) -> None:
         kind = tool.get("type") if isinstance(tool, dict) else None
-        if isinstance(kind, str) and kind != "function":
-            raise BadRequest(f"'tools[{i}]' is a {kind!r} tool; this server runs function tools only", "tools")
-        if kind != "function" or not isinstance(tool.get("name"), str) or not isinstance(tool.get("parameters", {}), (dict, type(None))):
-            raise BadRequest(f"'tools[{i}]' must be {{\"type\": \"function\", \"name\", \"description\", \"parameters\"}} "
+        if kind not in ("function", "custom") or not isinstance(tool.get("name"), str):
+            raise BadRequest(f"'{where}' must be {{\"type\": \"function\", \"name\", \"description\", \"parameters\"}} "
                              "(flat: not nested under \"function\" as in chat completions)", "tools")
-        function = {"name": tool["name"], "description": tool.get("description") or "",
-                    "parameters": tool.get("parameters") or {"type": "object", "properties": {}}}
-        out.append({"type": "function", "function": function})
-    return chat_tool_list(out)
+        name = ToolName(tool["name"], namespace, kind == "custom")
+        if name.shown in names:
+            raise BadRequest(f"'{where}' repeats the tool name {name.shown!r}", "tools")
+        names[name.shown] = name
+        out.append(_function(tool, where, name))
+
+    for i, tool in enumerate(value):
+        where = f"tools[{i}]"
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        if kind == "namespace":
+            if not isinstance(tool.get("name"), str) or not isinstance(tool.get("tools"), list):
+                raise BadRequest(f"'{where}' must be {{\"type\": \"namespace\", \"name\", \"tools\": [function tools]}}", "tools")
+            for j, inner in enumerate(tool["tools"]):
+                add(inner, f"{where}.tools[{j}]", tool["name"])
+        elif isinstance(kind, str) and kind not in ("function", "custom"):
+            left_out.append(kind)
+        else:
+            add(tool, where)
+    return chat_tool_list(out), names, left_out
 
 
 def tool_choice(value):
@@ -145,8 +206,10 @@ def tool_choice(value):
     function: ``{"type": "function", "name"}`` there nests the name)."""
     if value is None or value in ("auto", "none", "required"):
         return value
-    if isinstance(value, dict) and value.get("type") == "function" and isinstance(value.get("name"), str):
+    if isinstance(value, dict) and value.get("type") in ("function", "custom") and isinstance(value.get("name"), str):
         return {"type": "function", "function": {"name": value["name"]}}
+    if isinstance(value, dict) and value.get("type") == "allowed_tools" and value.get("mode") in ("auto", "required"):
+        return value["mode"]
     raise BadRequest("'tool_choice' must be \"auto\", \"none\", \"required\" or {\"type\": \"function\", \"name\": ...}", "tool_choice")
 
 
@@ -170,6 +233,18 @@ def _text_format(value) -> None:
         raise BadRequest(f"'text.format' {json.dumps(form.get('type'))} is not supported: this server answers in plain text only", "text")
 
 
+def _options(body: dict) -> None:
+    """Fields that change nothing for a model that does not reason, on a
+    server that keeps nothing: ``reasoning`` (effort, summary),
+    ``prompt_cache_key`` (the prompt cache finds shared prefixes by
+    itself), ``client_metadata``; checked for their shape only."""
+    for name in ("reasoning", "client_metadata"):
+        if body.get(name) is not None and not isinstance(body[name], dict):
+            raise BadRequest(f"'{name}' must be an object", name)
+    if body.get("prompt_cache_key") is not None and not isinstance(body["prompt_cache_key"], str):
+        raise BadRequest("'prompt_cache_key' must be a string", "prompt_cache_key")
+
+
 def _logprobs(body: dict) -> tuple[Optional[int], Optional[int]]:
     """(``top_logprobs`` as sent, the alternatives to report per token or
     None when ``include`` does not ask for log-probabilities)."""
@@ -180,31 +255,47 @@ def _logprobs(body: dict) -> tuple[Optional[int], Optional[int]]:
     return top, ((top or 0) if LOGPROBS in include else None)
 
 
-def parse_response(body: dict, ctx: Context) -> ResponsesJob:
+def render_prompt(body: dict, ctx: Context) -> tuple:
+    """(token ids, messages, tools in the chat form, what each tool name
+    stands for, tools left out, (calls allowed, named function, required))."""
+    _refuse_state(body)
+    _options(body)
+    messages = conversation(body)
+    tools, names, left_out = tool_list(body.get("tools"))
+    choice = tool_choice(body.get("tool_choice"))
+    if isinstance(choice, dict):  # a named function in a namespace is named as the model sees it
+        choice["function"]["name"] = next((shown for shown, c in names.items() if c.name == choice["function"]["name"]),
+                                          choice["function"]["name"])
+    allowed, name, required = chat_tool_choice(choice, tools)
+    _text_format(body.get("text"))
+    prompt = render(ctx, messages, tools if allowed else None, template_kwargs(body), "input")
+    return prompt, messages, tools if allowed else None, names, left_out, (allowed, name, required)
+
+
+def parse_response(body: dict, ctx: Context) -> Job:
     """A Responses request as a ``Job``: the chat route's rendering, tool
     forcing and sampling fields (``temperature`` 0, greedy, by default), with
     ``max_output_tokens`` as the limit; ``stop`` is taken too."""
-    _refuse_state(body)
-    messages = conversation(body)
-    tools = tool_list(body.get("tools"))
-    allowed, name, required = chat_tool_choice(tool_choice(body.get("tool_choice")), tools)
-    _text_format(body.get("text"))
-    prompt = render(ctx, messages, tools if allowed else None, template_kwargs(body), "input")
+    prompt, messages, tools, names, left_out, (allowed, name, required) = render_prompt(body, ctx)
     check_context(prompt, ctx, "input")
     top, logprobs = _logprobs(body)
     settings = sampling(body, ctx, logprobs=logprobs, forced=forcing(ctx, required, name), prompt_length=len(prompt))
     metadata = body.get("metadata") or {}
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
         raise BadRequest("'metadata' must be an object of strings", "metadata")
+    sent = [t for t in body.get("tools") or [] if isinstance(t, dict) and t.get("type") in ("function", "custom", "namespace")]
     echo = {
         "instructions": body.get("instructions"), "max_output_tokens": body.get("max_output_tokens"), "metadata": metadata,
         "parallel_tool_calls": flag(body, "parallel_tool_calls", True), "tool_choice": body.get("tool_choice") or "auto",
-        "tools": [{"type": "function", "name": t["function"]["name"], "description": t["function"]["description"],
-                   "parameters": t["function"]["parameters"], "strict": False} for t in tools or []],
-        "top_logprobs": top,
+        "tools": sent, "top_logprobs": top, "names": names,
     }
-    return ResponsesJob(Request(prompt, max_tokens(body, ctx, ("max_output_tokens",)), settings), "responses",
-                        stop_strings(body.get("stop")), flag(body, "stream"), False, messages, tools if allowed else None, logprobs, echo=echo)
+    return Job(Request(prompt, max_tokens(body, ctx, ("max_output_tokens",)), settings), "responses", stop_strings(body.get("stop")),
+               flag(body, "stream"), False, messages, tools if allowed else None, logprobs, left_out=left_out, echo=echo)
+
+
+def input_tokens(body: dict, ctx: Context) -> dict:
+    """``POST /v1/responses/input_tokens``: the prompt's length, as the request would render it."""
+    return {"object": "response.input_tokens", "input_tokens": len(render_prompt(body, ctx)[0])}
 
 
 class Output:
@@ -220,8 +311,9 @@ class Output:
     no place for them.
     """
 
-    def __init__(self, tokenizer, logprobs: bool):
-        self.decode, self.logprobs = tokenizer.decode, logprobs
+    def __init__(self, tokenizer, logprobs: bool, names: dict):
+        """names: what each tool name the model calls stands for (``ToolName``)."""
+        self.decode, self.logprobs, self.names = tokenizer.decode, logprobs, names
         self.items: list = []
         self.open: Optional[int] = None  # the output index of the message item text goes to
         self.pending: list = []
@@ -284,11 +376,32 @@ class Output:
         return events
 
     def _call(self, call: dict) -> list:
+        """A ``function_call`` item (with its ``namespace`` when the function
+        is in one), or a ``custom_tool_call`` item, under the names the
+        client gave the tool."""
         index = len(self.items)
-        item = {"type": "function_call", "id": f"fc_{call['id'].removeprefix('call_')}", "call_id": call["id"], "name": call["name"],
+        tool = self.names.get(call["name"], ToolName(call["name"]))
+        item = {"type": "function_call", "id": f"fc_{call['id'].removeprefix('call_')}", "call_id": call["id"], "name": tool.name,
                 "arguments": call["arguments"], "status": "completed"}
-        self.items.append(item)
+        if tool.namespace:
+            item["namespace"] = tool.namespace
         where = {"item_id": item["id"], "output_index": index}
+        if tool.custom:
+            try:
+                text = json.loads(call["arguments"]).get("input", "")
+            except (json.JSONDecodeError, AttributeError):
+                text = call["arguments"]
+            item = dict(item, type="custom_tool_call", id=f"ctc_{call['id'].removeprefix('call_')}", input=str(text))
+            del item["arguments"]
+            where["item_id"] = item["id"]
+            self.items.append(item)
+            return [
+                ("response.output_item.added", {"output_index": index, "item": dict(item, input="", status="in_progress")}),
+                ("response.custom_tool_call_input.delta", dict(where, delta=item["input"])),
+                ("response.custom_tool_call_input.done", dict(where, input=item["input"])),
+                ("response.output_item.done", {"output_index": index, "item": dict(item)}),
+            ]
+        self.items.append(item)
         return [
             ("response.output_item.added", {"output_index": index, "item": dict(item, arguments="", status="in_progress")}),
             ("response.function_call_arguments.delta", dict(where, delta=call["arguments"])),
@@ -304,7 +417,7 @@ class ResponsesAnswer:
         self.answer, self.model = answer, model
         self.id = f"resp_{secrets.token_hex(12)}"
         self.created = int(time.time())
-        self.output = Output(answer.tokenizer, answer.job.logprobs is not None)
+        self.output = Output(answer.tokenizer, answer.job.logprobs is not None, answer.job.echo["names"])
 
     def _usage(self) -> dict:
         a = self.answer

@@ -21,7 +21,7 @@ from typing import Optional
 import mlx.core as mx
 
 from ..drafting.settings import DraftSettings
-from ..engine.decoder import Decoder
+from ..engine.decoder import Decoder, Joining
 from ..engine.prompt_cache import PromptCache
 from ..engine.sampling import SamplingSettings, chooser_per_prompt, make_chooser
 from ..engine.types import ReDrafter
@@ -58,6 +58,16 @@ class Event:
     cached_tokens: int = 0
     error: Optional[str] = None
     logprobs: Optional[list] = None
+
+
+@dataclass
+class Coming:
+    """Requests being prefilled, on their way into the batch: their tickets,
+    their prompt caches (None where none), and the decoder's ``Joining``."""
+
+    tickets: list
+    caches: list
+    joining: Joining
 
 
 class Refused(Exception):
@@ -108,20 +118,26 @@ class Scheduler:
         self.choosers: dict = {}
         self.active: dict = {}  # Decoder row -> Ticket
         self.waiting: list = []  # tickets taken from `incoming`, not yet in the batch
+        self.coming: Optional[Coming] = None  # the requests being prefilled
         self.decoder = self._new_decoder()
         self.thread = threading.Thread(target=self._run, name="redrafter-engine", daemon=True)
         self.ready = threading.Event()
         self.startup_error: Optional[Exception] = None
 
     def _new_decoder(self) -> Decoder:
-        # Trees are sized by the cost curve of the nearest measured batch size.
-        sizes = [b for b in (1, 2, 4, 8, 16, 32, 64) if b < self.max_batch] + [self.max_batch]
-        return Decoder(self.redrafter, self.draft, chooser_per_prompt(self.choosers), self.eos, cost_batch_sizes=sizes)
+        # Trees are sized by the cost curve of the nearest batch size of these.
+        return Decoder(self.redrafter, self.draft, chooser_per_prompt(self.choosers), self.eos, cost_batch_sizes=self.batch_sizes)
+
+    @property
+    def batch_sizes(self) -> list:
+        return [b for b in (1, 2, 4, 8, 16, 32, 64) if b < self.max_batch] + [self.max_batch]
 
     def calibrate(self) -> None:
-        """Measure (or read) the cost curves of every batch size used."""
-        for size in self.decoder.cost_batch_sizes:
-            self.decoder.cost(size)
+        """Measure (or read) the cost curve of one row, which the others
+        start from (``engine.costs``); a model split over ranks, whose
+        steps cannot correct a curve, measures every batch size."""
+        for size in self.batch_sizes if self.ranks.several else [1]:
+            self.decoder.costs.measure(size)
 
     def start(self) -> None:
         """Start the engine thread; it measures (or reads) the cost curves
@@ -168,9 +184,12 @@ class Scheduler:
         ticket.cancelled = True
 
     def health(self) -> dict:
-        """Whether the engine thread runs; requests decoding and waiting."""
+        """Whether the engine thread runs; requests decoding (or being
+        prefilled) and waiting."""
+        coming = self.coming
         waiting = len(self.waiting) + self.incoming.qsize()
-        return {"status": "ok" if self.thread.is_alive() else "unavailable", "running": len(self.active), "waiting": waiting}
+        running = len(self.active) + (len(coming.tickets) if coming is not None else 0)
+        return {"status": "ok" if self.thread.is_alive() else "unavailable", "running": running, "waiting": waiting}
 
     def _run(self) -> None:
         """The engine thread. MLX keeps per-thread state (this thread's
@@ -194,11 +213,7 @@ class Scheduler:
         finally:
             self.ready.set()
         while True:
-            if not self.active and not self.waiting:
-                if self.decoder.stale and not self.ranks.several:
-                    # Nothing is decoding: a curve the steps found drifting is
-                    # measured again now, not at the next request's join.
-                    self.decoder.refresh_curves()
+            if not self.active and not self.waiting and self.coming is None:
                 self.waiting.append(self.incoming.get())
             while True:
                 try:
@@ -216,16 +231,72 @@ class Scheduler:
             for row in leaving:  # a stop string ended it: the next turn may follow
                 self._remember(row)
             self.decoder.leave(leaving)
-            room = max(self.max_batch - sum(1 for t in self.active.values() if not t.cancelled), 0)
-            waiting = [t for t in self.waiting if not t.cancelled]
-            joining, self.waiting = waiting[:room], waiting[room:]
+            if self.coming is not None and all(t.cancelled for t in self.coming.tickets):
+                for ticket in self.coming.tickets:  # their clients went away: the prefill stops here, and its memory goes
+                    self.choosers.pop(ticket.id, None)
+                self.coming = None
+            self.waiting = [t for t in self.waiting if not t.cancelled]
+            joining = self._next_joining() if self.coming is None else []
             self._tell(leave=leaving, join=[(t.request.prompt, t.request.max_tokens, t.id, t.request.sampling) for t in joining])
             try:
                 if joining:
-                    self._join(joining)
+                    self._begin_join(joining)
+                if self.coming is not None:
+                    self._prefill()
                 self._deliver(self.decoder.step())
             except Exception as e:  # one failure must not stop the server
                 self._fail(f"{type(e).__name__}: {e}", joining)
+
+    def _next_joining(self) -> list:
+        """The waiting requests that start their prefill now: the first, and
+        while each is short (at most one chunk left to feed), those after
+        it, as long as the batch has room. A long prompt is prefilled alone,
+        a chunk between the running rows' steps."""
+        room = self.max_batch - sum(1 for t in self.active.values() if not t.cancelled)
+        joining = []
+        for ticket in self.waiting[: max(room, 0)]:
+            alone = not self.ranks.several and len(ticket.request.prompt) > self.decoder.prefill_step_size
+            if joining and alone:
+                break
+            joining.append(ticket)
+            if alone:
+                break
+        self.waiting = self.waiting[len(joining) :]
+        return joining
+
+    def _begin_join(self, tickets: list) -> None:
+        caches = [self.store.find(t.request.prompt) for t in tickets]
+        for t, c in zip(tickets, caches):
+            if c is not None:
+                self.metrics.add("prompt_cache_hits_total")
+                self.metrics.add("prompt_cache_tokens_total", c.reusable(t.request.prompt))
+        for t in tickets:
+            self.choosers[t.id] = make_chooser(t.request.sampling)
+        joining = self.decoder.begin_join(
+            [t.request.prompt for t in tickets], [t.request.max_tokens for t in tickets], [t.id for t in tickets], caches
+        )
+        self.coming = Coming(tickets, caches, joining)
+
+    def _prefill(self) -> None:
+        """One chunk of the coming requests' prefill, or, once it is fed,
+        their first tokens: they join the batch. A model split over ranks
+        is prefilled whole, as the other ranks' ``join`` feeds it."""
+        coming = self.coming
+        prefill = coming.joining.prefill
+        if not prefill.done and not self.ranks.several:
+            prefill.advance()
+            if not prefill.done:
+                return
+        self.coming = None
+        outputs = self.decoder.finish_join(coming.joining)
+        tickets, caches = coming.tickets, coming.caches
+        joined = outputs[len(outputs) - len(tickets) :]  # before them: tokens of running rows that were ready
+        for t, out in zip(tickets, joined):
+            t.row = out.row
+            self.active[out.row] = t
+            if t.cancelled:  # its client went away while it was fed
+                self.decoder.leave([out.row])
+        self._deliver(outputs, {out.row: c.reusable(t.request.prompt) if c else 0 for t, c, out in zip(tickets, caches, joined)})
 
     def _tell(self, stop: bool = False, reset: bool = False, leave=(), join=()) -> None:
         """What this iteration does, for the other ranks of a split model."""
@@ -234,29 +305,13 @@ class Scheduler:
             self.reset_next = False
 
     def _end_all(self) -> None:
-        for ticket in list(self.active.values()) + [t for t in self.waiting if t is not END]:
+        coming = self.coming.tickets if self.coming is not None else []
+        for ticket in list(self.active.values()) + coming + [t for t in self.waiting if t is not END]:
             ticket.post(Event(finish_reason="length"))
         self.active.clear()
         self.choosers.clear()
-        self.waiting = []
+        self.waiting, self.coming = [], None
         self.decoder = self._new_decoder()
-
-    def _join(self, tickets: list) -> None:
-        caches = [self.store.find(t.request.prompt) for t in tickets]
-        for t, c in zip(tickets, caches):
-            if c is not None:
-                self.metrics.add("prompt_cache_hits_total")
-                self.metrics.add("prompt_cache_tokens_total", c.reusable(t.request.prompt))
-        for t in tickets:
-            self.choosers[t.id] = make_chooser(t.request.sampling)
-        outputs = self.decoder.join(
-            [t.request.prompt for t in tickets], [t.request.max_tokens for t in tickets], [t.id for t in tickets], caches
-        )
-        joined = outputs[len(outputs) - len(tickets) :]  # before them: tokens of running rows that were ready
-        for t, out in zip(tickets, joined):
-            t.row = out.row
-            self.active[out.row] = t
-        self._deliver(outputs, {out.row: c.reusable(t.request.prompt) if c else 0 for t, c, out in zip(tickets, caches, joined)})
 
     def _deliver(self, outputs: list, cached: Optional[dict] = None) -> None:
         for out in outputs:
@@ -283,11 +338,13 @@ class Scheduler:
 
     def _fail(self, message: str, joining: list) -> None:
         print(f"error: the engine failed a step ({message}); its requests were ended", file=sys.stderr)
-        for ticket in set(self.active.values()) | set(joining):
+        coming = self.coming.tickets if self.coming is not None else []
+        for ticket in set(self.active.values()) | set(joining) | set(coming):
             self.metrics.add("errors_total")
             ticket.post(Event(error=message))
         self.active.clear()
         self.choosers.clear()
+        self.coming = None
         self.decoder = self._new_decoder()
         self.reset_next = True
 

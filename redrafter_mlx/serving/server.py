@@ -4,7 +4,8 @@
 (``/v1/responses``), the Anthropic Messages dialect (``/v1/messages``,
 ``/v1/messages/count_tokens``), ``/health`` and ``/metrics``.
 
-Every route but ``/health`` needs the API key when one is set
+Every route but ``/health`` and the connectivity checks (``/``,
+``/api/hello``) needs the API key when one is set
 (``Authorization: Bearer KEY`` or ``x-api-key: KEY``). Bad input gets an
 error body in the route's dialect (400; 413 for a body over the limit;
 429 with ``Retry-After`` when the waiting queue is full). A streamed
@@ -17,10 +18,13 @@ ends the rest with a final event and exits.
 import asyncio
 import hmac
 import json
+import secrets
 import signal
+import sys
 import threading
 import time
-from typing import Optional
+from datetime import datetime, timezone
+from typing import Callable, Optional
 
 import uvicorn
 from starlette.applications import Starlette
@@ -33,6 +37,7 @@ from starlette.routing import Route
 
 from . import anthropic_api, openai_api, responses_api
 from .answer import Answer
+from .chat_format import ChatRenderer
 from .metrics import Metrics
 from .prompts import PromptLog
 from .requests import BadRequest, Context
@@ -42,8 +47,10 @@ MAX_BODY_BYTES = 4 << 20
 KEEP_ALIVE_SECONDS = 5.0
 RETRY_AFTER_SECONDS = 1
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/chat/completions", "/completions", "/v1/responses", "/responses",
-          "/v1/messages", "/v1/messages/count_tokens", "/v1/models", "/health", "/metrics")
-RESPONSES = ("/v1/responses", "/responses")
+          "/v1/responses/input_tokens", "/v1/messages", "/v1/messages/count_tokens", "/v1/models", "/models", "/health", "/metrics",
+          "/", "/api/hello")
+OPEN = ("/health", "/", "/api/hello")  # routes that need no API key: health and connectivity checks
+RESPONSES = ("/v1/responses", "/responses", "/v1/responses/input_tokens")
 
 
 def anthropic(path: str) -> bool:
@@ -64,10 +71,12 @@ def error_response(path: str, message: str, status: int, param: Optional[str] = 
 
 class Guard:
     """ASGI middleware: the API key (compared in constant time) on every
-    route but ``/health``, and the count of requests by endpoint and status."""
+    route but the open ones, the count of requests by endpoint and status,
+    and the access log: one line per request once it has been answered
+    (``log``; None: none)."""
 
-    def __init__(self, app, api_key: Optional[str], metrics: Metrics):
-        self.app, self.key, self.metrics = app, api_key.encode() if api_key else None, metrics
+    def __init__(self, app, api_key: Optional[str], metrics: Metrics, log: Optional[Callable[[str], None]]):
+        self.app, self.key, self.metrics, self.log = app, api_key.encode() if api_key else None, metrics, log
 
     def _allowed(self, scope) -> bool:
         headers = dict(scope.get("headers") or ())
@@ -80,42 +89,54 @@ class Guard:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        path, status = scope["path"], [500]
+        path, status, tic = scope["path"], [500], time.monotonic()
 
         async def sending(message):
             if message["type"] == "http.response.start":
                 status[0] = message["status"]
+                # Every answer names itself, as the APIs' answers do (clients log it).
+                request_id = f"req_{secrets.token_hex(12)}".encode()
+                message = dict(message, headers=[*message.get("headers", []), (b"request-id", request_id), (b"x-request-id", request_id)])
             await send(message)
 
-        if self.key and path != "/health" and scope["method"] != "OPTIONS" and not self._allowed(scope):
+        if self.key and path not in OPEN and scope["method"] != "OPTIONS" and not self._allowed(scope):
             response = error_response(path, "a valid API key is needed (Authorization: Bearer KEY, or x-api-key: KEY)", 401)
             await response(scope, receive, sending)
         else:
             await self.app(scope, receive, sending)
         self.metrics.add("requests_total", endpoint=path if path in ROUTES else "other", status=status[0])
+        if self.log is not None:
+            query = scope.get("query_string") or b""
+            target = path + ("?" + query.decode("latin-1") if query else "")
+            client = (scope.get("client") or ("-",))[0]
+            self.log(f'{client} "{scope["method"]} {target}" {status[0]} {time.monotonic() - tic:.2f}s')
 
 
 class Server:
     """The request handlers, for one loaded model.
 
+    renderer: how its conversations become prompts (``ChatRenderer``).
     max_tokens: the default when a request names none. max_context: the
     model's context (prompts must be shorter), None if unknown. prompt_log:
     where each valid request's prompt is appended (chat requests as their
     conversation, completions as token ids), or None. api_key: the key
     every route but /health needs (None: none). keep_alive: seconds between
     keep-alive comments of a streamed answer that has nothing to send.
+    access_log: where each request's line goes once answered (None: nowhere).
     """
 
     def __init__(
-        self, scheduler: Scheduler, tokenizer, model_name: str, max_tokens: int, max_context: Optional[int],
+        self, scheduler: Scheduler, renderer: ChatRenderer, model_name: str, max_tokens: int, max_context: Optional[int],
         max_body_bytes: int = MAX_BODY_BYTES, prompt_log: Optional[PromptLog] = None, api_key: Optional[str] = None,
-        keep_alive: float = KEEP_ALIVE_SECONDS,
+        keep_alive: float = KEEP_ALIVE_SECONDS, access_log: Optional[Callable[[str], None]] = None,
     ):
-        self.scheduler, self.tokenizer, self.model_name, self.prompt_log = scheduler, tokenizer, model_name, prompt_log
-        self.context = Context(tokenizer, scheduler.redrafter.base.vocab_size, max_context, max_tokens)
+        self.scheduler, self.tokenizer, self.model_name, self.prompt_log = scheduler, renderer.tokenizer, model_name, prompt_log
+        self.access_log = access_log
+        self.context = Context(renderer.tokenizer, scheduler.redrafter.base.vocab_size, max_context, max_tokens, renderer)
         self.max_body_bytes, self.api_key, self.keep_alive = max_body_bytes, api_key, keep_alive
         self.metrics = scheduler.metrics
         self.created = int(time.time())
+        self.left_out: set = set()  # tools the log has named as left out
 
     def app(self) -> Starlette:
         routes = [
@@ -128,6 +149,11 @@ class Server:
             Route("/v1/messages", self.messages, methods=["POST"]),
             Route("/v1/messages/count_tokens", self.count_tokens, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
+            Route("/models", self.models, methods=["GET"]),
+            Route("/v1/models/{model:path}", self.model, methods=["GET"]),
+            Route("/v1/responses/input_tokens", self.input_tokens, methods=["POST"]),
+            Route("/", self.hello, methods=["GET", "HEAD"]),
+            Route("/api/hello", self.hello, methods=["GET", "HEAD"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.metrics_page, methods=["GET"]),
         ]
@@ -138,11 +164,31 @@ class Server:
         # As mlx_lm.server does, any web page may call it (it listens on
         # loopback unless told otherwise).
         cors = Middleware(CORSMiddleware, allow_origins=["*"], allow_methods=["GET", "POST", "OPTIONS"], allow_headers=["*"])
-        guard = Middleware(Guard, api_key=self.api_key, metrics=self.metrics)
+        guard = Middleware(Guard, api_key=self.api_key, metrics=self.metrics, log=self.access_log)
         return Starlette(routes=routes, exception_handlers={HTTPException: http_error}, middleware=[cors, guard])
 
+    def _model(self) -> dict:
+        """The served model as both APIs describe one (OpenAI: ``object``,
+        ``created``, ``owned_by``; Anthropic: ``type``, ``display_name``,
+        ``created_at``); each client reads its own fields."""
+        created = datetime.fromtimestamp(self.created, timezone.utc).isoformat().replace("+00:00", "Z")
+        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "redrafter-mlx",
+                "type": "model", "display_name": self.model_name, "created_at": created,
+                "context_length": self.context.max_context}
+
     async def models(self, request: HTTPRequest) -> JSONResponse:
-        return JSONResponse({"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created, "owned_by": "redrafter-mlx"}]})
+        """The model list, in OpenAI's shape and Anthropic's (a page of one)."""
+        return JSONResponse({"object": "list", "data": [self._model()], "has_more": False, "first_id": self.model_name,
+                             "last_id": self.model_name})
+
+    async def model(self, request: HTTPRequest) -> JSONResponse:
+        """One model by its id: this server answers requests naming any
+        model with the one it serves, so it describes that one under any id."""
+        return JSONResponse(dict(self._model(), id=request.path_params["model"]))
+
+    async def hello(self, request: HTTPRequest) -> JSONResponse:
+        """Clients' connectivity checks (``HEAD /``, Claude Code's ``HEAD /api/hello``)."""
+        return JSONResponse({"status": "ok"})
 
     async def health(self, request: HTTPRequest) -> JSONResponse:
         health = self.scheduler.health()
@@ -168,9 +214,15 @@ class Server:
         return await self._handle(request, anthropic_api.parse_messages, anthropic_api.AnthropicAnswer)
 
     async def count_tokens(self, request: HTTPRequest):
+        return await self._count(request, anthropic_api.count_tokens)
+
+    async def input_tokens(self, request: HTTPRequest):
+        return await self._count(request, responses_api.input_tokens)
+
+    async def _count(self, request: HTTPRequest, count):
         path = request.url.path
         try:
-            return JSONResponse(anthropic_api.count_tokens(await self._body(request), self.context))
+            return JSONResponse(count(await self._body(request), self.context))
         except BadRequest as e:
             return error_response(path, str(e), e.status, e.param, e.code, e.tokens, e.limit)
         except ClientDisconnect:
@@ -184,6 +236,7 @@ class Server:
             return error_response(path, str(e), e.status, e.param, e.code, e.tokens, e.limit)
         except ClientDisconnect:
             return error_response(path, "the client went away", 400)
+        self._fit(job)
         try:
             ticket = self.scheduler.submit(job.request, asyncio.get_running_loop())
         except Refused as e:
@@ -194,12 +247,28 @@ class Server:
         if self.prompt_log is not None:
             self.prompt_log.add(job.logged)
         self.metrics.add("prompt_tokens_total", len(job.request.prompt))
-        answer = dialect(Answer(self.tokenizer, job, ticket, self.scheduler), self.model_name)
+        answer = dialect(Answer(self.tokenizer, job, ticket, self.scheduler, self.context.renderer.tools), self.model_name)
         if job.stream:
             headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
             return StreamingResponse(answer.stream(request, self.keep_alive), media_type="text/event-stream", headers=headers)
         status, body = await answer.whole(request)
         return JSONResponse(body, status_code=status)
+
+    def _fit(self, job) -> None:
+        """What every request of a conversation gets alike: an answer that
+        ends where the model's context does (a client may ask for more
+        tokens than are left, as agents do), the turn format's stop string
+        (plain turns), and one note on the server's log per tool left out
+        of prompts."""
+        renderer, limit = self.context.renderer, self.context.max_context
+        if limit:
+            job.request.max_tokens = min(job.request.max_tokens, limit - len(job.request.prompt))
+        if job.kind != "completion":
+            job.stops = job.stops + list(renderer.stop_strings)
+        for name in job.left_out:
+            if name not in self.left_out:
+                self.left_out.add(name)
+                print(f"note: the tool {name!r} is left out of prompts: a hosted or deferred tool this server cannot run", file=sys.stderr)
 
     async def _body(self, request: HTTPRequest) -> dict:
         """The request's JSON object; a body over the limit, not JSON, nested
@@ -230,13 +299,19 @@ def run_server(
     redrafter, tokenizer, draft, sock, model_name: str, *, max_batch: int = 8, max_tokens: int = 512, cache_bytes: int = 0,
     max_body_bytes: int = MAX_BODY_BYTES, prompt_log: Optional[PromptLog] = None, api_key: Optional[str] = None,
     max_queue: Optional[int] = None, shutdown_timeout: float = 30.0, keep_alive: float = KEEP_ALIVE_SECONDS, announce=print,
+    access_log: bool = True,
 ) -> None:
     """``redrafter-mlx serve``: start the engine thread (it measures or reads
     the cost curves first), then serve on the bound socket ``sock`` until
-    interrupted or terminated; ``announce`` is told where."""
-    scheduler = Scheduler(redrafter, tokenizer.eos_token_ids, draft, max_batch, cache_bytes, max_queue, Metrics())
+    interrupted or terminated; ``announce`` is told where, and each
+    request's line of the access log (``access_log``)."""
+    renderer = ChatRenderer(tokenizer)
+    if renderer.describe():
+        announce(f"note: {renderer.describe()}")
+    scheduler = Scheduler(redrafter, renderer.eos_token_ids, draft, max_batch, cache_bytes, max_queue, Metrics())
     scheduler.start()
-    server = Server(scheduler, tokenizer, model_name, max_tokens, redrafter.base.max_context, max_body_bytes, prompt_log, api_key, keep_alive)
+    server = Server(scheduler, renderer, model_name, max_tokens, redrafter.base.max_context, max_body_bytes, prompt_log, api_key, keep_alive,
+                    announce if access_log else None)
     host, port = sock.getsockname()[:2]
     where = f"[{host}]" if ":" in host else host
     announce(f"serving {model_name} at http://{where}:{port} (/v1/chat/completions, /v1/completions, /v1/responses, /v1/messages, /v1/models; /health, /metrics); Ctrl-C stops")

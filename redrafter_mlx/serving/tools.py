@@ -1,9 +1,15 @@
-"""Tool calling: rendering a conversation with tools through the model's own
-chat template, and finding the tool calls in what the model writes, with
-mlx-lm's parser for the model's family (``mlx_lm.tool_parsers``).
+"""Tool calling: the syntax a model writes calls in, offering tools in it,
+and finding the calls in what the model writes.
 
-The model writes a call between its family's markers (``tool_call_start``
-and ``tool_call_end``, for example ``<tool_call>`` and ``</tool_call>``).
+A model whose chat template renders tools writes calls in its family's
+syntax, read with mlx-lm's parser for that family (``mlx_lm.tool_parsers``).
+Any other model is offered tools in a generic syntax (``GENERIC_TOOLS``,
+the one mlx-lm's ``json_tools`` parser reads): the tools are described in
+the system message, and past calls and their results are written into the
+conversation as text (``with_generic_tools``).
+
+The model writes a call between its syntax's markers (``start`` and
+``end``, for example ``<tool_call>`` and ``</tool_call>``).
 ``ToolCallText`` reads the answer as it streams: text outside the markers
 is content, held back while it could be the start of a marker, so a call's
 text never leaks into the content; each complete call is parsed and handed
@@ -11,36 +17,113 @@ over as ``{"name", "arguments"}``.
 """
 
 import json
-from typing import Optional
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+from mlx_lm.tool_parsers import json_tools
 
 from ..errors import UserError
 from .stop_strings import held_back
 
 
-def supports_tools(tokenizer) -> bool:
-    return bool(getattr(tokenizer, "has_tool_calling", False))
+@dataclass(frozen=True)
+class ToolFormat:
+    """How the model writes a tool call: between ``start`` and ``end``
+    (``end`` empty: the call runs to the end of the answer), read by
+    ``parse(text, tools)``. family: mlx-lm's name for the syntax
+    (``json_tools``, ``qwen3_coder``, ...)."""
+
+    start: str
+    end: str
+    parse: Callable
+    family: Optional[str]
 
 
-def family(tokenizer) -> Optional[str]:
-    parser = getattr(tokenizer, "tool_parser", None)
-    return parser.__module__.rsplit(".", 1)[-1] if parser is not None else None
+GENERIC_TOOLS = ToolFormat(json_tools.tool_call_start, json_tools.tool_call_end, json_tools.parse_tool_call, "json_tools")
 
 
-def forced_opening(tokenizer, name: Optional[str]) -> list:
+def native_tools(tokenizer) -> Optional[ToolFormat]:
+    """The tool syntax the tokenizer's chat template renders (as mlx-lm
+    infers it), or None."""
+    if not getattr(tokenizer, "has_tool_calling", False):
+        return None
+    parser = tokenizer.tool_parser
+    return ToolFormat(tokenizer.tool_call_start, tokenizer.tool_call_end, parser, parser.__module__.rsplit(".", 1)[-1])
+
+
+def tool_prelude(tools: list) -> str:
+    """The system text that offers ``tools`` (OpenAI's nested form) in the
+    generic syntax."""
+    listed = "\n".join(json.dumps(t["function"], ensure_ascii=False) for t in tools)
+    return (
+        "# Tools\n\n"
+        "You can call the tools listed below. To call one, write the call and nothing after it:\n"
+        f'{GENERIC_TOOLS.start}\n{{"name": "<tool name>", "arguments": {{<arguments as JSON>}}}}\n{GENERIC_TOOLS.end}\n'
+        "Several calls may follow one another. Each result comes back in a <tool_response> block. "
+        "When no tool is needed, answer in plain text.\n\n"
+        f"Tools, one JSON object each:\n{listed}"
+    )
+
+
+def _arguments(call: dict):
+    arguments = (call.get("function") or {}).get("arguments")
+    if isinstance(arguments, str):
+        try:
+            return json.loads(arguments) if arguments.strip() else {}
+        except json.JSONDecodeError:
+            return arguments
+    return arguments if arguments is not None else {}
+
+
+def with_generic_tools(messages: list, tools: Optional[list]) -> list:
+    """The conversation with tools in the generic syntax, as plain chat
+    messages: the tools' description joins the leading system message (one
+    is made), an assistant's calls are written into its text, and tool
+    results become a user message of ``<tool_response>`` blocks (results in
+    a row, and a user message right after them, join one message)."""
+    out, results = [], False  # results: the last message is tool results, which more may join
+    for message in messages:
+        role, content = message["role"], message["content"]
+        if role == "tool":
+            block = f"<tool_response>\n{content}\n</tool_response>"
+            if results:
+                out[-1]["content"] += "\n" + block
+            else:
+                out.append({"role": "user", "content": block})
+            results = True
+            continue
+        if message.get("tool_calls"):
+            calls = [json.dumps({"name": c["function"]["name"], "arguments": _arguments(c)}, ensure_ascii=False) for c in message["tool_calls"]]
+            written = "\n".join(f"{GENERIC_TOOLS.start}\n{c}\n{GENERIC_TOOLS.end}" for c in calls)
+            content = f"{content}\n{written}" if content else written
+        if role == "user" and results:
+            out[-1]["content"] += "\n\n" + content
+        else:
+            out.append({"role": role, "content": content})
+        results = False
+    if tools:
+        prelude = tool_prelude(tools)
+        if out and out[0]["role"] == "system":
+            out[0] = dict(out[0], content=f"{out[0]['content']}\n\n{prelude}")
+        else:
+            out.insert(0, {"role": "system", "content": prelude})
+    return out
+
+
+def forced_opening(tokenizer, syntax: ToolFormat, name: Optional[str]) -> list:
     """The token ids an answer must begin with when a tool call is required
     (``tool_choice`` "required": the call's opening marker; a named function:
-    the marker and, for the families whose calls name the function first,
+    the marker and, for the syntaxes whose calls name the function first,
     the text up to its arguments). One clear error where a named function
-    cannot be forced for this family."""
-    start = tokenizer.tool_call_start
+    cannot be forced in this syntax."""
     if name is None:
-        text = start
-    elif family(tokenizer) == "json_tools":
-        text = f'{start}\n{{"name": "{name}", "arguments": '
-    elif family(tokenizer) == "qwen3_coder":
-        text = f"{start}\n<function={name}>\n"
+        text = syntax.start
+    elif syntax.family == "json_tools":
+        text = f'{syntax.start}\n{{"name": "{name}", "arguments": '
+    elif syntax.family == "qwen3_coder":
+        text = f"{syntax.start}\n<function={name}>\n"
     else:
-        raise UserError(f"a named tool_choice is not supported for this model's tool-call format ({family(tokenizer)}); use \"required\"")
+        raise UserError(f"a named tool_choice is not supported for this model's tool-call format ({syntax.family}); use \"required\"")
     return tokenizer.encode(text, add_special_tokens=False)
 
 
@@ -51,20 +134,9 @@ def template_messages(messages: list) -> list:
     for message in messages:
         calls = message.get("tool_calls")
         if calls:
-            message = dict(message, tool_calls=[_template_call(c) for c in calls])
+            message = dict(message, tool_calls=[dict(c, function=dict(c.get("function") or {}, arguments=_arguments(c))) for c in calls])
         out.append(message)
     return out
-
-
-def _template_call(call: dict) -> dict:
-    function = dict(call.get("function") or {})
-    arguments = function.get("arguments")
-    if isinstance(arguments, str):
-        try:
-            function["arguments"] = json.loads(arguments) if arguments.strip() else {}
-        except json.JSONDecodeError:
-            pass  # left as the string it is
-    return dict(call, function=function)
 
 
 class ToolCallText:
@@ -77,10 +149,8 @@ class ToolCallText:
     cannot read is dropped, as mlx-lm's server drops it.
     """
 
-    def __init__(self, tokenizer, tools: Optional[list]):
-        self.start = tokenizer.tool_call_start
-        self.end = tokenizer.tool_call_end
-        self.parse = tokenizer.tool_parser
+    def __init__(self, syntax: ToolFormat, tools: Optional[list]):
+        self.start, self.end, self.parse = syntax.start, syntax.end, syntax.parse
         self.tools = tools
         self.pending = ""  # text not yet shown: a possible marker's start, or a call
         self.inside = False

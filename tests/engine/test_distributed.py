@@ -160,53 +160,6 @@ def test_a_rank_that_rounds_differently_takes_rank_0s_steps(folders, tmp_path):
 
 # One decoder that prompts join one after another (as in a server),
 # counting the cost curves measured; rank 0 finds every curve drifting.
-DRIFTING_RANK = """
-import json
-import sys
-import redrafter_mlx
-from redrafter_mlx.drafting.settings import DraftSettings
-from redrafter_mlx.engine import calibrate, distributed
-from redrafter_mlx.engine.decoder import Decoder
-from redrafter_mlx.loading.loader import load
-
-measure, measured = calibrate.measure, []
-
-def counted(*args, **kwargs):
-    measured.append(1)
-    return measure(*args, **kwargs)
-
-calibrate.measure = counted
-if distributed.launched() and distributed.os.environ["MLX_RANK"] == "0":
-    calibrate.DriftCheck.drifted = lambda self: True
-ranks = distributed.join("pipeline") if distributed.launched() else distributed.ONE_PROCESS
-redrafter, _ = load(sys.argv[1], sys.argv[2], ranks=ranks)
-decoder, tokens = Decoder(redrafter, DraftSettings()), []
-for prompt in json.loads(sys.argv[3]):
-    outputs = decoder.join([prompt], 12)
-    while outputs:
-        tokens += [t for out in outputs for t in out.tokens]
-        outputs = decoder.step()
-print(json.dumps({"curves": len(measured), "tokens": tokens}))
-ranks.end()
-"""
-
-
-def test_a_curve_rank_0_finds_drifting_is_measured_again_on_every_rank(folders, tmp_path):
-    """Only rank 0's clock counts: when its steps drift from the curve, every
-    rank measures it again at the next join, together (rank 1's own steps
-    do not drift: alone, it would never measure again, and rank 0 would
-    wait for it), and the tokens stay one process's."""
-    args = [folders["llama"], folders["drafter"], json.dumps(PROMPTS)]
-    alone = subprocess.run([sys.executable, "-c", DRIFTING_RANK, *map(str, args)], cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT),
-                           capture_output=True, text=True, timeout=TIMEOUT)
-    assert alone.returncode == 0, alone.stderr
-    (code0, out0, err0), (code1, out1, err1) = launch(tmp_path, [args] * 2, programs={0: DRIFTING_RANK, 1: DRIFTING_RANK})
-    assert (code0, code1) == (0, 0), err0 + err1
-    rank0, rank1 = json.loads(out0), json.loads(out1)
-    assert rank0["curves"] == rank1["curves"] >= 2  # the first join's, then again at a later join
-    assert rank0["tokens"] == rank1["tokens"] == json.loads(alone.stdout)["tokens"]
-
-
 def test_seeded_sampling_in_a_split_gives_one_process_tokens(folders, tmp_path):
     """Sampling stays exact: with a seed, the tokens are one process's."""
     args = ["generate", "--model", folders["llama"], "--drafter", folders["drafter"], "--prompts", folders["prompts"], "--batch-size", 3,

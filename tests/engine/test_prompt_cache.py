@@ -96,8 +96,24 @@ def test_the_store_finds_the_longest_shared_prefix_and_keeps_within_its_memory()
     assert [e.tokens for e in store.entries] == [[7, 8], [1, 2, 3, 4, 5]]
     store.add(entry([9, 9, 9, 9]))  # over the limit: the least recently used goes
     assert [e.tokens for e in store.entries] == [[1, 2, 3, 4, 5], [9, 9, 9, 9]]
-    store.add(entry(list(range(11))))  # larger than the whole store: not kept
-    assert store.nbytes == 32 * 9 and len(store.entries) == 2
+    store.add(entry(list(range(11))))  # larger than the whole store: its start is kept
+    assert [e.tokens for e in store.entries] == [list(range(10))] and store.nbytes == 32 * 10
+
+
+def test_over_its_memory_the_store_keeps_prefixes_sessions_share_before_their_tails():
+    """Two sessions of an agent share their instructions (tokens 0-5); over
+    the limit, a finished session's own turns go before that shared start."""
+    store = PromptCacheStore(max_bytes=32 * 20)
+    instructions = list(range(6))
+    store.add(entry(instructions + [50, 51, 52, 53]))  # session A's first turn
+    assert store.find(instructions + [60, 61]).tokens[:6] == instructions  # session B starts from A's instructions
+    assert store.shared[id(store.entries[0])] == 6
+    session_b = instructions + [60, 61, 62, 63, 64, 65]
+    store.add(entry(session_b))  # B's first turn: 22 tokens held, over 20
+    assert [e.tokens for e in store.entries] == [session_b]  # A's own turn went; the start it shares is in B
+    store.add(entry([9] * 10))  # something else, over 20 again: B's own turn goes, the shared start stays
+    assert [e.tokens for e in store.entries] == [instructions, [9] * 10] and store.nbytes == 32 * 16
+    assert store.find(instructions + [70]).tokens == instructions  # a third session still starts from them
 
 
 def test_a_recurrent_state_is_reused_whole_or_not_at_all(redrafter):

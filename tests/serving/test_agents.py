@@ -154,14 +154,14 @@ def test_metrics_parse_as_prometheus_text_and_move_as_requests_run(server, clien
 
 
 def test_a_prompt_over_the_context_is_refused_as_agent_clients_expect(server, client, claude):
-    long = [{"role": "user", "content": " ".join(["Weather"] * 300)}]
+    long = [{"role": "user", "content": " ".join(["Weather"] * 4200)}]
     with pytest.raises(openai.BadRequestError) as error:
         client.chat.completions.create(model="m", messages=long)
     assert error.value.code == "context_length_exceeded"
     with pytest.raises(anthropic.BadRequestError) as error:
         claude.messages.create(model="m", max_tokens=8, messages=long)
     body = error.value.body["error"]
-    assert body["type"] == "invalid_request_error" and re.fullmatch(r"prompt is too long: \d+ tokens > 256 maximum", body["message"])
+    assert body["type"] == "invalid_request_error" and re.fullmatch(r"prompt is too long: \d+ tokens > 4096 maximum", body["message"])
 
 
 # Named ids: a test's id goes into the environment of the processes it
@@ -226,3 +226,152 @@ def test_sigterm_finishes_running_streams_with_a_final_event_and_exits_0(queued)
     assert status == 200 and events[-1]["choices"][0]["finish_reason"] == "length" and lines[-1] == "data: [DONE]"
     with pytest.raises(httpx.TransportError):
         httpx.post(f"{url}/v1/completions", json={"prompt": "loop", "max_tokens": 4}, timeout=5)
+
+
+# What the agents send, in shapes written here (their own instructions and
+# schemas are theirs): Claude Code's beta Messages requests, Codex's
+# Responses requests, and each one's next request after a tool call.
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+CODING_AGENT = {
+    "model": "any", "max_tokens": 32000, "stream": True,
+    "system": [{"type": "text", "text": "You are a coding agent."},
+               {"type": "text", "text": "Be brief.", "cache_control": {"type": "ephemeral"}},
+               {"type": "text", "text": "Use tools when they help.", "cache_control": {"type": "ephemeral"}}],
+    "messages": [{"role": "user", "content": [{"type": "text", "text": "<reminder>"}, {"type": "text", "text": "Weather in Paris?"}]},
+                 {"role": "system", "content": [{"type": "text", "text": "Environment: a folder.", "cache_control": {"type": "ephemeral"}}]}],
+    "tools": [{"name": "get_weather", "description": "The weather in a city.", "input_schema": SCHEMA},
+              {"name": "Deferred", "description": "Loaded later.", "input_schema": {"type": "object"}, "defer_loading": True}],
+    "metadata": {"user_id": "{\"session_id\": \"s1\"}"}, "thinking": {"type": "adaptive"},
+    "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]}, "output_config": {"effort": "high"},
+}
+
+
+def sse(response) -> list:
+    """The (event, data) pairs of a server-sent event stream."""
+    events, kind = [], None
+    for line in response.iter_lines():
+        if line.startswith("event: "):
+            kind = line[7:]
+        elif line.startswith("data: ") and line != "data: [DONE]":
+            events.append((kind, json.loads(line[6:])))
+    return events
+
+
+def streamed(server, path: str, body: dict, **headers) -> tuple:
+    with httpx.stream("POST", f"{server}{path}", json=body, timeout=60, headers={"x-api-key": KEY, **headers}) as response:
+        assert response.status_code == 200, response.read()
+        return response.headers, sse(response)
+
+
+def test_a_claude_code_turn_and_its_tool_round_trip(server):
+    headers, events = streamed(server, "/v1/messages?beta=true", CODING_AGENT, **{"anthropic-beta": "claude-code-20250219", "anthropic-version": "2023-06-01"})
+    assert headers["request-id"].startswith("req_")
+    assert [k for k, _ in events][0] == "message_start" and events[-1][0] == "message_stop"
+    (use,) = [d["content_block"] for k, d in events if k == "content_block_start" and d["content_block"]["type"] == "tool_use"]
+    arguments = "".join(d["delta"]["partial_json"] for k, d in events if k == "content_block_delta" and d["delta"]["type"] == "input_json_delta")
+    assert use["name"] == "get_weather" and json.loads(arguments) == {"city": "Paris"}
+    stop = next(d for k, d in events if k == "message_delta")
+    assert stop["delta"]["stop_reason"] == "tool_use"
+    # The next request: the call and its result (two calls answered in parallel), the same conversation before them.
+    calls = [{"type": "tool_use", "id": use["id"], "name": "get_weather", "input": {"city": "Paris"}},
+             {"type": "tool_use", "id": "toolu_2", "name": "get_weather", "input": {"city": "Lyon"}}]
+    results = [{"type": "tool_result", "tool_use_id": use["id"], "content": [{"type": "text", "text": "sunny"}]},
+               {"type": "tool_result", "tool_use_id": "toolu_2", "content": "rain", "is_error": False}]
+    following = dict(CODING_AGENT, messages=CODING_AGENT["messages"] + [
+        {"role": "assistant", "content": [{"type": "thinking", "thinking": "", "signature": "x"}, *calls]},
+        {"role": "user", "content": results}])
+    _, events = streamed(server, "/v1/messages?beta=true", following)
+    text = "".join(d["delta"]["text"] for k, d in events if k == "content_block_delta" and d["delta"]["type"] == "text_delta")
+    usage = next(d for k, d in events if k == "message_delta")["usage"]
+    assert text == "It is sunny." and usage["cache_read_input_tokens"] > 0  # the first turn's prefix came from the prompt cache
+    counted = httpx.post(f"{server}/v1/messages/count_tokens?beta=true", json=following, headers={"x-api-key": KEY}).json()
+    assert counted["input_tokens"] == usage["input_tokens"] + usage["cache_read_input_tokens"]
+
+
+def test_what_claude_code_calls_besides_messages(server):
+    assert httpx.head(f"{server}/api/hello").status_code == 200  # its connectivity check, before any key
+    models = httpx.get(f"{server}/v1/models", headers={"x-api-key": KEY}).json()
+    (model,) = models["data"]
+    assert model["type"] == model["object"] == "model" and model["display_name"] and models["has_more"] is False  # both APIs' shapes
+    assert httpx.get(f"{server}/v1/models/any", headers={"x-api-key": KEY}).json()["id"] == "any"
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"output_config": {"format": {"type": "json_schema", "schema": {}}}}, "structured output"),
+    ({"thinking": {"type": "sometimes"}}, "'thinking'"),
+    ({"context_management": {"edits": [{"type": "clear_tool_uses_20250919", "trigger": {"type": "input_tokens", "value": 100}}]}}, "clear_tool_uses"),
+    ({"mcp_servers": [{"type": "url", "url": "http://x"}]}, "mcp_servers"),
+    ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "text only"),
+], ids=["format", "thinking", "clearing", "mcp", "image"])
+def test_what_would_change_the_answer_unseen_is_refused_in_anthropics_shape(server, change, message):
+    response = httpx.post(f"{server}/v1/messages?beta=true", json=dict(CODING_AGENT, stream=False, **change), headers={"x-api-key": KEY})
+    assert response.status_code == 400 and response.json()["type"] == "error" and message in response.json()["error"]["message"]
+
+
+CODEX = {
+    "model": "any", "stream": True, "tool_choice": "auto", "parallel_tool_calls": True, "store": False,
+    "reasoning": {"summary": "auto"}, "include": ["reasoning.encrypted_content"], "prompt_cache_key": "thread-1",
+    "client_metadata": {"thread_id": "thread-1"},
+    "input": [{"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "You are a coding agent."}]},
+              {"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "Skills: none."}]},
+              {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Weather in Paris?"}]}],
+    "tools": [{"type": "function", "name": "get_weather", "description": "The weather in a city.", "parameters": SCHEMA, "strict": False},
+              {"type": "namespace", "name": "agents", "description": "Sub-agents.", "tools": [
+                  {"type": "function", "name": "spawn", "description": "Start one.", "parameters": {"type": "object", "properties": {}}, "strict": False}]},
+              {"type": "web_search", "external_web_access": False}],
+}
+
+
+def test_a_codex_turn_and_its_tool_round_trip(server):
+    _, events = streamed(server, "/v1/responses", CODEX)
+    done = events[-1][1]["response"]
+    (call,) = [item for item in done["output"] if item["type"] == "function_call"]
+    assert call["name"] == "get_weather" and json.loads(call["arguments"]) == {"city": "Paris"} and "namespace" not in call
+    assert done["redrafter"]["tools_left_out"] == ["web_search"]  # the hosted tool, left out of the prompt
+    following = dict(CODEX, input=CODEX["input"] + [
+        {"type": "reasoning", "summary": [], "encrypted_content": None},
+        dict(call, status="completed"), {"type": "function_call", "call_id": "c2", "name": "spawn", "namespace": "agents", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": call["call_id"], "output": "sunny"},
+        {"type": "function_call_output", "call_id": "c2", "output": [{"type": "input_text", "text": "started"}]}])
+    _, events = streamed(server, "/v1/responses", following)
+    done = events[-1][1]["response"]
+    assert done["output"][0]["content"][0]["text"] == "It is sunny."
+    assert done["usage"]["input_tokens_details"]["cached_tokens"] > 0  # the first turn's prefix came from the prompt cache
+    counted = httpx.post(f"{server}/v1/responses/input_tokens", json=following, headers={"x-api-key": KEY}).json()
+    assert counted["input_tokens"] == done["usage"]["input_tokens"]
+
+
+@pytest.fixture(scope="module")
+def generic_tool_servers(tool_model, tmp_path_factory):
+    """The tool model with a chat template that has no tool syntax, and with
+    no chat template at all (its vocabulary has ChatML's tokens)."""
+    import shutil
+
+    from mlx_lm.utils import load_tokenizer
+
+    servers = []
+    for name, template in (("plain-template", "{% for m in messages %}<|im_start|> {{ m.role }} {{ m.content }} <|im_end|> {% endfor %}"
+                                               "{% if add_generation_prompt %}<|im_start|> assistant {% endif %}"), ("no-template", None)):
+        folder = tmp_path_factory.mktemp(name)
+        shutil.copytree(tool_model, folder, dirs_exist_ok=True)
+        config = json.loads((folder / "tokenizer_config.json").read_text())
+        config.pop("chat_template", None)
+        (folder / "chat_template.jinja").unlink(missing_ok=True)
+        if template:
+            config["chat_template"] = template
+        (folder / "tokenizer_config.json").write_text(json.dumps(config))
+        tokenizer = load_tokenizer(folder)
+        assert not tokenizer.has_tool_calling and tokenizer.has_chat_template == bool(template)
+        process, url, _ = start_server("--model", folder, *SERVE)
+        servers.append((process, url))
+    yield [url for _, url in servers]
+    for process, _ in servers:
+        stop_server(process)
+
+
+def test_a_model_without_tool_syntax_is_offered_tools_and_calls_them_in_the_generic_one(generic_tool_servers):
+    for url in generic_tool_servers:
+        body = dict(CODING_AGENT, stream=False)
+        answer = httpx.post(f"{url}/v1/messages", json=body, timeout=60).json()
+        assert answer["stop_reason"] == "tool_use", (url, answer)
+        assert [(b["name"], b["input"]) for b in answer["content"] if b["type"] == "tool_use"] == [("get_weather", {"city": "Paris"})]

@@ -71,7 +71,6 @@ def test_the_cost_curve_is_measured_before_the_clock_and_once_per_machine(chat_m
 
     monkeypatch.setattr(calibrate, "measure", slow_measure)
     monkeypatch.setattr(calibrate, "cost_curve", measured_cost_curve)
-    monkeypatch.setattr(calibrate.DriftCheck, "drifted", lambda self: False)
     redrafter, tokenizer = load(chat_model[0], chat_model[1])
     tic = time.perf_counter()
     for first in stream_generate(redrafter, tokenizer, "w1 w2", max_tokens=48):

@@ -184,7 +184,7 @@ BAD_REQUESTS = [
     ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, 400, "'input[0].call_id'", "input"),
     ({"input": [{"type": "function_call_output", "call_id": "c"}]}, 400, "'output'", "input"),
     ({"input": "w", "instructions": 5}, 400, "'instructions'", "instructions"),
-    ({"input": "w", "tools": [{"type": "web_search"}]}, 400, "function tools only", "tools"),
+    ({"input": "w", "tools": [{"type": "namespace", "name": "n", "tools": "f"}]}, 400, "'tools[0]' must be {\"type\": \"namespace\"", "tools"),
     ({"input": "w", "tools": CHAT_TOOLS}, 400, "flat", "tools"),
     ({"input": "w", "tool_choice": {"type": "web_search_preview"}}, 400, "'tool_choice'", "tool_choice"),
     ({"input": "w", "text": {"format": {"type": "json_schema"}}}, 400, "plain text", "text"),
@@ -206,7 +206,7 @@ def test_bad_requests_get_one_openai_style_error(server, body, status, message, 
 def test_context_key_and_queue_errors_in_the_openai_shape(server):
     from redrafter_mlx.serving.server import error_response
 
-    long = post(server, {"input": " ".join(["Weather"] * 300)}, path="/responses")
+    long = post(server, {"input": " ".join(["Weather"] * 4200)}, path="/responses")
     assert long.status_code == 400 and long.json()["error"]["code"] == "context_length_exceeded"
     keyless = post(server, {"input": "w"}, key=None)
     assert keyless.status_code == 401 and keyless.json()["error"]["type"] == "authentication_error"
@@ -226,15 +226,16 @@ def test_an_engine_failure_mid_stream_ends_with_error_and_response_failed():
 
     from redrafter_mlx.engine.sampling import SamplingSettings
     from redrafter_mlx.serving.answer import KEEP_ALIVE, Part
-    from redrafter_mlx.serving.responses_api import ResponsesAnswer, ResponsesJob
+    from redrafter_mlx.serving.requests import Job
+    from redrafter_mlx.serving.responses_api import ResponsesAnswer
     from redrafter_mlx.serving.scheduler import Request
 
     echo = {"instructions": None, "max_output_tokens": None, "metadata": {}, "parallel_tool_calls": True, "tool_choice": "auto",
-            "tools": [], "top_logprobs": None}
+            "tools": [], "top_logprobs": None, "names": {}}
 
     class Failing:
         tokenizer = SimpleNamespace(decode=lambda ids: "w")
-        job = ResponsesJob(Request([1, 2, 3], 8, SamplingSettings()), "responses", echo=echo)
+        job = Job(Request([1, 2, 3], 8, SamplingSettings()), "responses", echo=echo)
         prompt_tokens, completion_tokens, cached_tokens, finish_reason, error = 3, 2, 0, None, None
 
         async def parts(self, request, keep_alive=None):

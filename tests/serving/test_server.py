@@ -313,9 +313,3 @@ def test_penalties_xtc_and_chat_template_arguments_are_taken(client, reference):
     assert extra.usage.prompt_tokens == plain.usage.prompt_tokens
     with pytest.raises(openai.BadRequestError, match="chat_template_kwargs"):
         client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], extra_body={"chat_template_kwargs": [1]})
-
-
-def test_tools_for_a_template_without_tool_support_get_a_400_naming_it(client):
-    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
-    with pytest.raises(openai.BadRequestError, match="no tool support"):
-        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], tools=tools)

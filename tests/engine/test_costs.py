@@ -1,0 +1,83 @@
+"""The cost curve kept true by the steps: per context and kind of step, what
+they really cost over what the measured curve says."""
+
+import pytest
+from conftest import CPU_CURVE, mlx_lm_greedy, tiny_model
+
+from redrafter_mlx.drafting.cost import CostCurve
+from redrafter_mlx.drafting.settings import DraftSettings
+from redrafter_mlx.engine import costs
+from redrafter_mlx.engine.base_model import BaseModel
+from redrafter_mlx.engine.costs import PLAIN, Learned, StepCosts, node_kind, widened
+from redrafter_mlx.engine.decoder import Decoder
+from redrafter_mlx.engine.types import ReDrafter
+
+
+def test_a_ratio_not_seen_is_its_contexts_nearest_kinds_then_a_shorter_contexts():
+    learned = Learned()
+    assert learned.ratio(100, node_kind(4)) == 1.0  # nothing seen
+    learned.add(3000, node_kind(8), 3.0)
+    learned.add(3000, PLAIN, 1.5)
+    assert learned.ratio(3000, node_kind(8)) == pytest.approx(3.0) and learned.ratio(2500, PLAIN) == pytest.approx(1.5)  # one bucket
+    assert learned.ratio(3000, node_kind(16)) == pytest.approx(3.0)  # the nearest kind seen
+    assert learned.ratio(3000, node_kind(1)) == pytest.approx(1.5)
+    assert learned.ratio(20000, node_kind(8)) == pytest.approx(3.0)  # a longer context: the nearest shorter one's
+    assert learned.ratio(1000, node_kind(8)) == 1.0  # a shorter one learns nothing from a longer one
+    learned.add(3000, node_kind(8), 1.0)
+    assert 1.0 < learned.ratio(3000, node_kind(8)) < 3.0  # a running ratio
+    learned.add(3000, node_kind(8), 1000.0)
+    assert learned.ratio(3000, node_kind(8)) < 5.0  # a pause of the process is not the machine
+
+
+def test_steps_correct_the_curve_where_they_run_and_only_there(monkeypatch):
+    monkeypatch.setattr(costs, "learning", lambda redrafter: True)
+    monkeypatch.setattr(costs, "LEARNED", {})
+    redrafter = ReDrafter(BaseModel(tiny_model()), None, identity="learns")
+    step_costs = StepCosts(redrafter)
+    short, long = step_costs.curve(1, 100), step_costs.curve(1, 5000)
+    assert short.seconds == CPU_CURVE.seconds  # nothing learned yet: the measured curve
+    for _ in range(10):  # at 5000 tokens, trees of 8 cost twice the curve's; plain tokens as it says
+        step_costs.observe(1, 5000, 8, 2 * long(8))
+        step_costs.observe_plain(1, 5000, long.plain)
+    learned = step_costs.curve(1, 5000)
+    assert learned(8) == pytest.approx(2 * long(8), rel=0.05) and learned.plain == pytest.approx(long.plain)
+    assert learned(1) == pytest.approx(long(1), rel=0.05)  # its own kind, as the plain step's (the nearest seen)
+    assert step_costs.curve(1, 100).seconds == short.seconds  # a short context keeps its curve
+    assert StepCosts(redrafter).curve(1, 5000)(8) == pytest.approx(learned(8))  # kept for the process
+    # A batch size never measured starts from one row's curve: a pass of B rows as one of B times the nodes.
+    four = widened(CPU_CURVE, 4)
+    assert four(2) == pytest.approx(CPU_CURVE(8)) and four.draft_seconds == pytest.approx(4 * CPU_CURVE.draft_seconds)
+
+
+def test_a_decoder_whose_trees_prove_dear_at_its_context_decodes_plainly(monkeypatch):
+    """Context lookup would draft the repeats on the measured curve; once
+    steps have shown that trees cost ten times what it says at this context
+    (and plain tokens what it says), the same prompt decodes plainly, with
+    the same tokens."""
+    monkeypatch.setattr(costs, "learning", lambda redrafter: True)
+    monkeypatch.setattr(costs, "LEARNED", {})
+    model = tiny_model()
+    redrafter = ReDrafter(BaseModel(model), None, identity="dear-trees")
+    prompt = ([5, 6, 7, 8] * 80)[:300]
+    curve = CostCurve([1, 2, 4, 8, 16], [1.0, 1.01, 1.02, 1.03, 1.05], plain_seconds=1.0)
+    monkeypatch.setattr(costs.calibrate, "cost_curve", lambda *args, **kwargs: curve)
+    monkeypatch.setattr(costs.calibrate, "stored_curve", lambda *args, **kwargs: None)
+
+    def run() -> tuple:
+        decoder = Decoder(redrafter, DraftSettings())
+        monkeypatch.setattr(decoder.costs, "observe", lambda *args, **kwargs: None)  # this run's own clock aside
+        monkeypatch.setattr(decoder.costs, "observe_plain", lambda *args, **kwargs: None)
+        outputs, tokens, drafted = decoder.join([prompt], 24), [], False
+        while outputs:
+            tokens += [t for out in outputs for t in out.tokens]
+            drafted |= any((out.num_nodes or 1) > 1 for out in outputs)
+            outputs = decoder.step()
+        return tokens, drafted
+
+    assert run() == (mlx_lm_greedy(model, prompt, 24), True)
+    learned = StepCosts(redrafter)
+    for _ in range(5):
+        learned.observe_plain(1, len(prompt), curve.plain)  # plain tokens cost what the curve says
+        for nodes in (2, 4, 8, 16):
+            learned.observe(1, len(prompt), nodes, 10 * curve(nodes))
+    assert run() == (mlx_lm_greedy(model, prompt, 24), False)
