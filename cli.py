@@ -371,6 +371,7 @@ def serve(
     port: Annotated[int, typer.Option(min=1, max=65535, help="port")] = 8080,
     max_batch: Annotated[int, typer.Option(min=1, help="requests decoded together; more wait their turn")] = 8,
     max_tokens: max_tokens_option("new tokens for a request that names no max_tokens") = 512,
+    max_output_tokens: Annotated[Optional[int], typer.Option(min=1, help="the most new tokens any answer gets; a request asking for more is cut to it (agents ask for tens of thousands)", show_default="the model's context")] = None,
     prompt_cache_mb: Annotated[float, typer.Option(min=0, help="memory for finished requests' keys and values, reused by the next turn; 0 turns it off")] = 1024,
     max_body_bytes: Annotated[int, typer.Option(min=1, help="largest request body accepted (413 above)", show_default="4 MiB")] = 4 << 20,
     api_key: Annotated[Optional[str], typer.Option(help="the key every route but /health then needs (Authorization: Bearer KEY or x-api-key: KEY)", show_default=f"none, or ${API_KEY_ENV}")] = None,
@@ -408,7 +409,7 @@ def serve(
         redrafter, tokenizer = load_pair(model, drafter, dtype, ranks)
         redrafter.answers = answer_store(answer_store_mb)
         name = os.path.basename(model.rstrip("/")) if model else "SmolLM2-135M-Instruct"
-        run_server(redrafter, tokenizer, draft, sock, name, max_batch=max_batch, max_tokens=max_tokens,
+        run_server(redrafter, tokenizer, draft, sock, name, max_batch=max_batch, max_tokens=max_tokens, max_output_tokens=max_output_tokens,
                    cache_bytes=int(prompt_cache_mb * 2**20), max_body_bytes=max_body_bytes, prompt_log=log, api_key=key,
                    max_queue=max_queue, shutdown_timeout=shutdown_timeout, keep_alive=keep_alive, access_log=access_log,
                    announce=lambda line: print(line, file=sys.stderr, flush=True))

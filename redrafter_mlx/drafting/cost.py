@@ -28,7 +28,7 @@ SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 # Committed tokens behind the measured passes, and behind the second,
 # longer-context measurement of some of the sizes.
 CONTEXT = 128
-LONG_CONTEXT = 512
+LONG_CONTEXT = 4096  # (or half the model's context, if shorter)
 LONG_SIZES = (1, 4, 8, 16, 32)
 CONTEXT_STEP = 32  # a step's context is rounded up to this many tokens (one curve per step of it)
 CACHE_ENV = "REDRAFTER_MLX_CACHE"

@@ -39,7 +39,8 @@ def measure(redrafter, batch_size: int, beam_shape: Optional[tuple] = None, repe
     """Time tree passes of every size in ``sizes`` (a chain tree: per-token
     positions and a tree mask, as verification runs; with ``tree`` False, a
     plain causal chunk of as many tokens instead) after CONTEXT committed
-    tokens, and of ``LONG_SIZES`` after LONG_CONTEXT, and one beam search
+    tokens, and of ``LONG_SIZES`` after LONG_CONTEXT (or half the model's
+    context when that is shorter), and one beam search
     of ``beam_shape`` (``beam_search``'s beam_width, beam_length and
     later_rows) when there is a drafter; all of them in turn, ``repeats``
     times. With ``step_costs(redrafter, prompts,
@@ -79,7 +80,8 @@ def measure(redrafter, batch_size: int, beam_shape: Optional[tuple] = None, repe
         return run
 
     long_sizes = [n for n in LONG_SIZES if n in sizes] if len(sizes) > 1 else []
-    long_layout, long_cache = _stretched(base, layout, cache, LONG_CONTEXT // CONTEXT) if long_sizes else (None, None)
+    stretch = max(min(LONG_CONTEXT, (base.max_context or LONG_CONTEXT * 2) // 2) // CONTEXT, 2)
+    long_layout, long_cache = _stretched(base, layout, cache, stretch) if long_sizes else (None, None)
     runs = [tree_pass(n) for n in sizes] + [tree_pass(n, long_layout, long_cache) for n in long_sizes]
     if redrafter.drafter is not None and beam_shape:
         first = mx.zeros((batch_size,), mx.int32)
@@ -90,7 +92,7 @@ def measure(redrafter, batch_size: int, beam_shape: Optional[tuple] = None, repe
     seconds = [max(seconds[: i + 1]) for i in range(len(seconds))]  # more nodes never cost less
     long_seconds = [max(long_seconds[: i + 1]) for i in range(len(long_seconds))]
     draft = times[len(sizes) + len(long_sizes)] if len(times) > len(sizes) + len(long_sizes) else 0.0
-    curve = CostCurve(list(sizes), seconds, draft, context=CONTEXT, long_context=LONG_CONTEXT, long_sizes=long_sizes or None,
+    curve = CostCurve(list(sizes), seconds, draft, context=CONTEXT, long_context=stretch * CONTEXT, long_sizes=long_sizes or None,
                       long_seconds=long_seconds or None)
     if step_costs is not None:
         passes = {}
@@ -126,7 +128,7 @@ def _stretched(base, layout, cache: list, times: int) -> tuple:
 
 # Bumped whenever the engine's verification pass changes what it costs, so
 # that curves cached by an earlier engine are measured again.
-PASS_REVISION = 3
+PASS_REVISION = 4
 
 
 def curve_key(redrafter: ReDrafter, batch_size: int) -> str:

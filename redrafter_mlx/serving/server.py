@@ -59,7 +59,11 @@ def anthropic(path: str) -> bool:
 
 def error_response(path: str, message: str, status: int, param: Optional[str] = None, code: Optional[str] = None,
                    tokens: Optional[int] = None, limit: Optional[int] = None, headers: Optional[dict] = None) -> JSONResponse:
-    """An error in the dialect of the route it answers."""
+    """An error in the dialect of the route it answers; its machine code,
+    when it has one, also in the ``x-error-code`` header (the access log
+    notes it)."""
+    if code:
+        headers = dict(headers or {}, **{"x-error-code": code})
     if anthropic(path):
         body = anthropic_api.error_body(message, status, tokens, limit)
     elif path in RESPONSES:
@@ -89,11 +93,12 @@ class Guard:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        path, status, tic = scope["path"], [500], time.monotonic()
+        path, status, code, tic = scope["path"], [500], [""], time.monotonic()
 
         async def sending(message):
             if message["type"] == "http.response.start":
                 status[0] = message["status"]
+                code[0] = dict(message.get("headers", [])).get(b"x-error-code", b"").decode("latin-1")
                 # Every answer names itself, as the APIs' answers do (clients log it).
                 request_id = f"req_{secrets.token_hex(12)}".encode()
                 message = dict(message, headers=[*message.get("headers", []), (b"request-id", request_id), (b"x-request-id", request_id)])
@@ -109,7 +114,8 @@ class Guard:
             query = scope.get("query_string") or b""
             target = path + ("?" + query.decode("latin-1") if query else "")
             client = (scope.get("client") or ("-",))[0]
-            self.log(f'{client} "{scope["method"]} {target}" {status[0]} {time.monotonic() - tic:.2f}s')
+            note = f" ({code[0]})" if code[0] else ""
+            self.log(f'{client} "{scope["method"]} {target}" {status[0]} {time.monotonic() - tic:.2f}s{note}')
 
 
 class Server:
@@ -123,15 +129,16 @@ class Server:
     every route but /health needs (None: none). keep_alive: seconds between
     keep-alive comments of a streamed answer that has nothing to send.
     access_log: where each request's line goes once answered (None: nowhere).
+    max_output_tokens: the most tokens any answer gets (None: up to the context).
     """
 
     def __init__(
         self, scheduler: Scheduler, renderer: ChatRenderer, model_name: str, max_tokens: int, max_context: Optional[int],
         max_body_bytes: int = MAX_BODY_BYTES, prompt_log: Optional[PromptLog] = None, api_key: Optional[str] = None,
-        keep_alive: float = KEEP_ALIVE_SECONDS, access_log: Optional[Callable[[str], None]] = None,
+        keep_alive: float = KEEP_ALIVE_SECONDS, access_log: Optional[Callable[[str], None]] = None, max_output_tokens: Optional[int] = None,
     ):
         self.scheduler, self.tokenizer, self.model_name, self.prompt_log = scheduler, renderer.tokenizer, model_name, prompt_log
-        self.access_log = access_log
+        self.access_log, self.max_output_tokens = access_log, max_output_tokens
         self.context = Context(renderer.tokenizer, scheduler.redrafter.base.vocab_size, max_context, max_tokens, renderer)
         self.max_body_bytes, self.api_key, self.keep_alive = max_body_bytes, api_key, keep_alive
         self.metrics = scheduler.metrics
@@ -255,14 +262,16 @@ class Server:
         return JSONResponse(body, status_code=status)
 
     def _fit(self, job) -> None:
-        """What every request of a conversation gets alike: an answer that
-        ends where the model's context does (a client may ask for more
-        tokens than are left, as agents do), the turn format's stop string
-        (plain turns), and one note on the server's log per tool left out
-        of prompts."""
+        """What every request gets alike: an answer that ends where the
+        model's context does (a client may ask for more tokens than are
+        left, as agents do) and at ``max_output_tokens``, the turn format's
+        stop string (plain turns), and one note on the server's log per
+        tool left out of prompts."""
         renderer, limit = self.context.renderer, self.context.max_context
         if limit:
             job.request.max_tokens = min(job.request.max_tokens, limit - len(job.request.prompt))
+        if self.max_output_tokens:
+            job.request.max_tokens = min(job.request.max_tokens, self.max_output_tokens)
         if job.kind != "completion":
             job.stops = job.stops + list(renderer.stop_strings)
         for name in job.left_out:
@@ -296,7 +305,8 @@ class Server:
 
 
 def run_server(
-    redrafter, tokenizer, draft, sock, model_name: str, *, max_batch: int = 8, max_tokens: int = 512, cache_bytes: int = 0,
+    redrafter, tokenizer, draft, sock, model_name: str, *, max_batch: int = 8, max_tokens: int = 512, max_output_tokens: Optional[int] = None,
+    cache_bytes: int = 0,
     max_body_bytes: int = MAX_BODY_BYTES, prompt_log: Optional[PromptLog] = None, api_key: Optional[str] = None,
     max_queue: Optional[int] = None, shutdown_timeout: float = 30.0, keep_alive: float = KEEP_ALIVE_SECONDS, announce=print,
     access_log: bool = True,
@@ -311,7 +321,7 @@ def run_server(
     scheduler = Scheduler(redrafter, renderer.eos_token_ids, draft, max_batch, cache_bytes, max_queue, Metrics())
     scheduler.start()
     server = Server(scheduler, renderer, model_name, max_tokens, redrafter.base.max_context, max_body_bytes, prompt_log, api_key, keep_alive,
-                    announce if access_log else None)
+                    announce if access_log else None, max_output_tokens)
     host, port = sock.getsockname()[:2]
     where = f"[{host}]" if ":" in host else host
     announce(f"serving {model_name} at http://{where}:{port} (/v1/chat/completions, /v1/completions, /v1/responses, /v1/messages, /v1/models; /health, /metrics); Ctrl-C stops")

@@ -69,6 +69,6 @@ def test_a_curve_moves_with_the_context_along_its_two_measurements():
     assert far.seconds[-1] == pytest.approx(1.6 + 2 * 0.4) and far.at(2000) is far  # (a moved curve moves no further)
     assert curve.at(300) is curve.at(310)  # one curve per step of context
     no_slope = CostCurve([1, 4], [1.0, 2.0], long_sizes=[1, 4], long_seconds=[0.5, 2.5])
-    moved = no_slope.at(512)
+    moved = no_slope.at(no_slope.long_context)
     assert moved.seconds[0] == 1.0 and moved.seconds[1] == pytest.approx(2.5)  # a faster long pass (noise) moves nothing
     assert CostCurve([1, 4], [1.0, 2.0]).at(4096).seconds == [1.0, 2.0]  # no longer context measured: the curve holds

@@ -265,7 +265,7 @@ def test_each_step_is_sized_by_the_curve_at_its_context():
     model = tiny_model()
     base = BaseModel(model)
     redrafter = ReDrafter(base, None)
-    curve = CostCurve([1, 2, 4, 8, 16], [1.0, 1.01, 1.02, 1.03, 1.05], long_sizes=[1, 16], long_seconds=[1.0, 50.0])
+    curve = CostCurve([1, 2, 4, 8, 16], [1.0, 1.01, 1.02, 1.03, 1.05], long_context=512, long_sizes=[1, 16], long_seconds=[1.0, 50.0])
     short = [5, 6, 7, 8] * 8  # lookup drafts the repeats
     long = (short * 20)[:600]
     for prompt, drafts in ((short, True), (long, False)):
