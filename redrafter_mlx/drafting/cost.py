@@ -49,7 +49,8 @@ class CostCurve:
     long_sizes, long_seconds: passes of some sizes behind ``long_context``
     tokens (None: not measured, the curve holds for any context). Far past
     them this line is a guess, which the engine's steps correct
-    (``engine.costs``)."""
+    (``engine.costs``). guessed: this curve's trees, at the context it is
+    for, are such a guess: no tree step has run near it."""
 
     sizes: list
     seconds: list
@@ -60,6 +61,7 @@ class CostCurve:
     long_context: int = LONG_CONTEXT
     long_sizes: Optional[list] = None
     long_seconds: Optional[list] = None
+    guessed: bool = False
     _at: dict = field(default_factory=dict, repr=False, compare=False)  # context -> the curve there
 
     @property

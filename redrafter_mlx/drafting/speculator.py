@@ -65,6 +65,8 @@ IDLE_STEPS = 3  # steps in a row that verified nothing before a run turns plain 
 PLAIN_STEPS = 16  # plain steps before drafting is tried again, at first
 MAX_PLAIN_STEPS = 4096  # the longest interval the doubling reaches
 RESHAPE_STEPS = 16  # every this many searches, one of the whole beam length
+PROBE_STEPS = 32  # where the curve's trees are a guess, one step in this many verifies a small tree
+PROBE_NODES = 4  # the nodes per row of such a step
 KEPT_SHARE = 0.5  # a depth is searched while this share of full searches' trees kept an RNN node there
 
 
@@ -237,13 +239,28 @@ class Speculator:
         deepest = max((d + 1 for d, share in enumerate(kept) if share >= KEPT_SHARE), default=1)
         return max(2, deepest + 1)
 
+    def _probing(self, cost, step: int) -> bool:
+        """Whether step ``step`` of the run verifies a small tree whatever
+        the budget says: where the curve's trees are a guess (a context
+        past the measured ones where no tree has run yet), a guess that
+        makes every tree look dear would otherwise never be put right. One
+        step in ``PROBE_STEPS`` until a tree has run there."""
+        return cost is not None and cost.guessed and not self.forced and self.settings.max_nodes != 0 and step % PROBE_STEPS == 0
+
     def _plan(self, rows, roots, beams, conditionals, cost, ahead: bool, may_run_ahead: bool) -> Plan:
         one = 0.0 if cost is None else cost.plain
+        if not ahead and self._probing(cost, self.steps):
+            trees = [prune(t, PROBE_NODES) for t in self._candidate_trees(rows, roots, beams, conditionals)]
+            if any(t.num_nodes > 1 for t in trees):
+                search = self.use_rnn()
+                predicted = cost(max(t.num_nodes for t in trees)) + cost.step_seconds + (cost.draft_seconds if search else 0.0)
+                self.last = Plan("rnn" if beams is not None else "lookup", trees, search=search, predicted=predicted, one_node=one)
+                return self.last
         if ahead or self.mode == "plain":
             if self.plain_left:
                 self.plain_left -= 1
             self.last = Plan("plain", search=self.use_rnn(), one_node=one)
-            self.last.ahead = may_run_ahead and self.mode == "plain"
+            self.last.ahead = may_run_ahead and self.mode == "plain" and not self._probing(cost, self.steps + 1)
             self.last.predicted = self._alone(cost, self.last.search)
             return self.last
         self.last_mode = "rnn" if beams is not None else "lookup"
@@ -276,18 +293,7 @@ class Speculator:
         (with a fixed ``max_nodes``, always the trees)."""
         if self.has_drafter and not self.rnn_on:
             self.steps_off += 1
-        cheap = [self._cheap_drafts(row, self._estimate(row)) for row in rows]
-        if beams is not None:  # read only now: the engine's search may still be running
-            beams, conditionals = np.asarray(beams), np.asarray(conditionals)
-        drafts = []
-        for row, b, c, row_cheap in zip(rows, beams if beams is not None else [None] * len(rows),
-                                        conditionals if beams is not None else [None] * len(rows), cheap):
-            estimate = self._estimate(row)
-            row_drafts = ([] if b is None else beam_drafts(b, c, estimate)) + row_cheap
-            kind = self.kinds.get(row, "greedy")
-            for draft in row_drafts:
-                draft.keys = [(*key, kind) for key in draft.keys]
-            drafts.append(row_drafts)
+        drafts = self._drafts(rows, beams, conditionals)
         candidates = [self._candidates(root, d) for root, d in zip(roots, drafts)]
         if self.forced:
             return [prune(t, self.settings.max_nodes) for t in candidates]
@@ -314,6 +320,25 @@ class Speculator:
         if count == 0:
             return None
         return [prune(t, count) for t in candidates]
+
+    def _drafts(self, rows: list, beams, conditionals) -> list:
+        """Per row, its drafts: the RNN's beams (when it searched) and the cheap ones."""
+        cheap = [self._cheap_drafts(row, self._estimate(row)) for row in rows]
+        if beams is not None:  # read only now: the engine's search may still be running
+            beams, conditionals = np.asarray(beams), np.asarray(conditionals)
+        drafts = []
+        for row, b, c, row_cheap in zip(rows, beams if beams is not None else [None] * len(rows),
+                                        conditionals if beams is not None else [None] * len(rows), cheap):
+            estimate = self._estimate(row)
+            row_drafts = ([] if b is None else beam_drafts(b, c, estimate)) + row_cheap
+            kind = self.kinds.get(row, "greedy")
+            for draft in row_drafts:
+                draft.keys = [(*key, kind) for key in draft.keys]
+            drafts.append(row_drafts)
+        return drafts
+
+    def _candidate_trees(self, rows: list, roots: list, beams, conditionals) -> list[RowTree]:
+        return [self._candidates(root, d) for root, d in zip(roots, self._drafts(rows, beams, conditionals))]
 
     def _turn_plain(self) -> None:
         """Plain steps for the current interval; a retry that did not gain

@@ -31,7 +31,7 @@ NODE_BUCKETS = (1, 2, 4, 8, 16)  # a step of n nodes per row is kept with the fi
 PLAIN = -1  # the kind of a pipelined plain token
 CONTEXT_BUCKET = 256  # contexts up to this share a bucket; each bucket after it doubles
 MEMORY = 0.7  # weight of the past in a running ratio
-CLIP = (0.2, 5.0)  # a step's ratio is taken within these bounds (a pause of the process is not the machine)
+CLIP = (0.1, 10.0)  # a step's ratio is taken within these bounds (a pause of the process is not the machine)
 MEASURED_BATCH = 1  # the batch size measured when a decoder starts; others start from it
 
 
@@ -60,6 +60,11 @@ class Learned:
         past = self.ratios.get(key)
         self.ratios[key] = value if past is None else MEMORY * past + (1 - MEMORY) * value
         self.version += 1
+
+    def seen_trees(self, context: int) -> bool:
+        """Whether a step of more than one node ran in this context's bucket."""
+        bucket = context_bucket(context)
+        return any(b == bucket and k > node_kind(1) for b, k in self.ratios)
 
     def ratio(self, context: int, kind: int) -> float:
         bucket = context_bucket(context)
@@ -145,7 +150,9 @@ class StepCosts:
         key = (size, -(-context // CONTEXT_STEP))
         made = self.made.get(key)
         if made is None or made[0] != learned.version:
-            made = self.made[key] = (learned.version, corrected(base, learned, context))
+            curve = corrected(base, learned, context)
+            curve.guessed = context > self._base(size).long_context and not learned.seen_trees(context)
+            made = self.made[key] = (learned.version, curve)
         return made[1]
 
     def observe(self, batch_size: int, context: int, nodes: int, seconds: float, searched: bool = False) -> None:
