@@ -65,15 +65,19 @@ def functions(source: str) -> list:
 
 
 def build(tokenizer, module: str, length: int, kind: str) -> dict:
-    """One prompt of about ``length`` tokens: the module's source cut to fit
-    before the task (repeated when the module is shorter)."""
+    """One prompt of about ``length`` tokens: the module's source from its
+    first function on, cut to fit before the task (repeated when the module
+    is shorter)."""
     source = module_source(module)
+    found = functions(source)
+    if found:
+        source = "\n".join(source.splitlines()[found[0][1] - 1 :])
     while len(tokenizer.encode(source)) < length:
         source += "\n\n" + source
     chat = tokenizer.has_chat_template
     ids = tokenizer.encode(source)[: max(length - 80, 64)]
     text = tokenizer.decode(ids)
-    shown = [f for f in functions(source) if f"def {f[0]}(" in text]
+    shown = [f for f in found if f"def {f[0]}(" in text]
     name = shown[len(shown) // 2][0] if shown else None
     if kind == "edit" and name:
         if chat:
@@ -100,7 +104,7 @@ def mlx_lm_caches(model, cache: list, windows: list, length: int) -> list:
             kept = min(length, theirs.max_size)
             theirs.state = (keys[..., length - kept :, :], values[..., length - kept :, :], length, theirs.keep, theirs.max_size, kept)
         elif isinstance(theirs, KVCache):
-            theirs.state = (keys, values)
+            theirs.state = (keys, values, length)
     return caches
 
 

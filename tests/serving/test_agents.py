@@ -288,6 +288,19 @@ def test_a_claude_code_turn_and_its_tool_round_trip(server):
     assert counted["input_tokens"] == usage["input_tokens"] + usage["cache_read_input_tokens"]
 
 
+def test_a_second_session_of_an_agent_starts_from_the_instructions_the_first_left_in_the_cache(server):
+    """Another session: the same instructions and tools, another question.
+    Its prompt shares their tokens with the first session's, which the
+    prompt cache holds: only the rest is prefilled."""
+    first = dict(CODING_AGENT, stream=False, messages=[{"role": "user", "content": "Weather in Paris?"}])
+    other = dict(first, messages=[{"role": "user", "content": "Weather in Paris? in Paris?"}])
+    httpx.post(f"{server}/v1/messages", json=first, headers={"x-api-key": KEY}, timeout=60)
+    usage = httpx.post(f"{server}/v1/messages", json=other, headers={"x-api-key": KEY}, timeout=60).json()["usage"]
+    shared = httpx.post(f"{server}/v1/messages/count_tokens", json=dict(first, messages=[{"role": "user", "content": ""}]),
+                        headers={"x-api-key": KEY}).json()["input_tokens"]
+    assert usage["cache_read_input_tokens"] >= shared - 4 > 0  # the instructions and tools, up to where the question begins
+
+
 def test_what_claude_code_calls_besides_messages(server):
     assert httpx.head(f"{server}/api/hello").status_code == 200  # its connectivity check, before any key
     models = httpx.get(f"{server}/v1/models", headers={"x-api-key": KEY}).json()

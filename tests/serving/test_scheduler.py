@@ -63,6 +63,63 @@ def test_requests_beyond_the_batch_wait_and_each_gets_what_it_would_alone(redraf
     scheduler.stop()
 
 
+def test_a_long_prompt_is_fed_a_chunk_at_a_time_between_steps_and_a_client_that_leaves_stops_it(redrafter, monkeypatch):
+    """A prompt of several chunks is prefilled a chunk per iteration, and
+    the running request steps between its chunks. Cancelled after its
+    first chunk, the rest is never fed and the request never joins."""
+    from redrafter_mlx.engine.decoder import Decoder
+    from redrafter_mlx.engine.prefill import Prefill
+
+    long = ([5, 17, 42, 99] * 100)[:300]
+    expected = alone(redrafter, PROMPTS[1], 60), alone(redrafter, long, 4)
+    scheduler = Scheduler(redrafter, (), DraftSettings(max_nodes=0), max_batch=4)
+    scheduler.decoder.prefill_step_size = 64
+    fed, timeline, cancel = [], [], []
+    advance, step = Prefill.advance, Decoder.step
+
+    def counted(self):
+        fed.append(self.tokens_left)
+        timeline.append("chunk")
+        if cancel and len(fed) == 1:
+            scheduler.cancel(cancel[0])
+        return advance(self)
+
+    def stepped(self):
+        if self.tracker.rows:
+            timeline.append("step")
+        return step(self)
+
+    monkeypatch.setattr(Prefill, "advance", counted)
+    monkeypatch.setattr(Decoder, "step", stepped)
+    scheduler.start()
+
+    async def both():
+        loop = asyncio.get_running_loop()
+        running = scheduler.submit(Request(PROMPTS[1], 60), loop)
+        first = await asyncio.wait_for(running.events.get(), 60)  # the short one runs
+        waiting = scheduler.submit(Request(long, 4), loop)
+        tokens = first.tokens + await collect(running)
+        return tokens, await collect(waiting)
+
+    tokens, long_tokens = asyncio.run(both())
+    assert (tokens, long_tokens) == expected
+    assert fed[1:] == [299 - 64 * i for i in range(5)]  # after the short prompt's; the last token comes with the first answer
+    chunks = [i for i, what in enumerate(timeline) if what == "chunk"][1:]
+    assert all("step" in timeline[a:b] for a, b in zip(chunks, chunks[1:]))  # the running request stepped between them
+    fed.clear()
+
+    async def left():
+        ticket = scheduler.submit(Request(long, 4), asyncio.get_running_loop())
+        cancel.append(ticket)
+        while scheduler.health()["running"] or scheduler.incoming.qsize():
+            await asyncio.sleep(0.01)
+        return ticket.events.qsize()
+
+    assert asyncio.run(left()) == 0  # nothing came back, and nothing runs
+    assert fed == [299] and scheduler.coming is None
+    scheduler.stop()
+
+
 def test_a_request_that_fails_ends_with_an_error_and_the_engine_goes_on(redrafter):
     scheduler = Scheduler(redrafter, (), DraftSettings(), max_batch=4)
     scheduler.start()
