@@ -81,7 +81,7 @@ def session(tokenizer, first: int, step: int, turns: int) -> list:
     messages = [{"role": "user", "content": f"Read {SOURCES[0]}.py part by part and tell me what you find."}]
     bodies = []
     for turn in range(turns):
-        bodies.append({"model": "local", "max_tokens": 0, "system": system, "tools": tools, "messages": list(messages), "stream": True})
+        bodies.append({"model": "local", "max_tokens": 0, "temperature": 0, "system": system, "tools": tools, "messages": list(messages), "stream": True})
         piece = []
         while size("\n".join(piece)) < step - 60 and at < len(lines):
             piece += lines[at : at + 40]
@@ -98,16 +98,24 @@ def ours(url: str, body: dict) -> dict:
     text, and the tokens after the first over the time after it."""
     tic, first, text, usage = time.perf_counter(), None, "", {}
     with httpx.stream("POST", url + "/v1/messages", json=body, timeout=3600) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"turn failed: {response.status_code} {response.read().decode()[:300]}")
         for line in response.iter_lines():
             if not line.startswith("data: "):
                 continue
             event = json.loads(line[6:])
-            if event["type"] == "content_block_delta" and event["delta"].get("type") == "text_delta":
+            if event["type"] == "content_block_delta":  # text, or a tool call's input
                 first = first or time.perf_counter()
-                text += event["delta"]["text"]
+                text += event["delta"].get("text", event["delta"].get("partial_json", ""))
+            elif event["type"] == "content_block_start" and event["content_block"]["type"] == "tool_use":
+                first = first or time.perf_counter()
+                text += f"<call {event['content_block']['name']}>"
+            elif event["type"] == "error":
+                raise RuntimeError(f"turn failed: {event['error']}")
             elif event["type"] == "message_delta":
                 usage = event["usage"]
     end = time.perf_counter()
+    first = first or end  # an empty answer
     return {"ttft": first - tic, "decode_tps": (usage["output_tokens"] - 1) / (end - first) if end > first else 0.0, "text": text,
             "seconds": end - tic, "tokens": usage["output_tokens"], "cached": usage.get("cache_read_input_tokens", 0)}
 
@@ -129,6 +137,7 @@ def theirs(url: str, prompt: str, max_tokens: int) -> dict:
             if event.get("usage"):
                 tokens = event["usage"]["completion_tokens"]
     end = time.perf_counter()
+    first = first or end
     return {"ttft": first - tic, "decode_tps": (tokens - 1) / (end - first) if end > first else 0.0, "text": text, "seconds": end - tic,
             "tokens": tokens}
 

@@ -166,7 +166,8 @@ class ToolCallText:
                 at = self.pending.find(self.end)
                 if at < 0:
                     return shown
-                self._parse(self.pending[:at])
+                if not self._parse(self.pending[:at]):  # not a call after all: shown as it was written
+                    shown += self.start + self.pending[: at + len(self.end)]
                 self.pending, self.inside = self.pending[at + len(self.end) :], False
             else:
                 at = self.pending.find(self.start)
@@ -179,18 +180,24 @@ class ToolCallText:
                 self.pending, self.inside = self.pending[at + len(self.start) :], True
 
     def finish(self) -> str:
-        """The content still held back; a call left open is parsed."""
+        """The content still held back. A call left open is parsed; one cut
+        before it could be (the answer reached its length) is shown as text,
+        so nothing the model wrote is lost."""
         if self.inside:
-            self._parse(self.pending)
-            self.pending, self.inside = "", False
+            if not self._parse(self.pending):
+                self.pending = self.start + self.pending
+            else:
+                self.pending = ""
+            self.inside = False
         shown, self.pending = self.pending, ""
         return shown
 
-    def _parse(self, text: str) -> None:
+    def _parse(self, text: str) -> bool:
+        """Adds the calls ``text`` holds; False when it holds none."""
         try:
             parsed = self.parse(text, self.tools)
         except (ValueError, KeyError, TypeError, IndexError, AttributeError):
-            return
-        for call in parsed if isinstance(parsed, list) else [parsed]:
-            if isinstance(call, dict) and isinstance(call.get("name"), str):
-                self.calls.append({"name": call["name"], "arguments": call.get("arguments", {})})
+            return False
+        found = [call for call in (parsed if isinstance(parsed, list) else [parsed]) if isinstance(call, dict) and isinstance(call.get("name"), str)]
+        self.calls += [{"name": call["name"], "arguments": call.get("arguments", {})} for call in found]
+        return bool(found)

@@ -71,6 +71,16 @@ def test_tools_without_template_syntax_are_offered_and_replayed_in_the_generic_s
     assert shown == "Sure." and reader.calls == [{"name": "read", "arguments": {"path": "b.txt"}}]
 
 
+def test_a_call_cut_at_the_length_limit_or_not_a_call_at_all_comes_back_as_text():
+    syntax = ChatRenderer(tokenizer(["<|im_start|>", "<|im_end|>"])).tools
+    cut = ToolCallText(syntax, TOOLS)
+    written = 'Reading.<tool_call>\n{"name": "read", "argu'
+    assert cut.add(written) + cut.finish() == written and cut.calls == []
+    prose = ToolCallText(syntax, TOOLS)
+    written = "Use <tool_call>like this</tool_call> then."
+    assert prose.add(written) + prose.finish() == written and prose.calls == []
+
+
 def test_a_template_without_tools_renders_the_generic_syntax_through_itself():
     template = "{% for m in messages %}[{{ m.role }}] {{ m.content }} {% endfor %}{% if add_generation_prompt %}[assistant] {% endif %}"
     renderer = ChatRenderer(tokenizer([], template))
