@@ -374,7 +374,7 @@ def serve(
     max_output_tokens: Annotated[Optional[int], typer.Option(min=1, help="the most new tokens any answer gets; a request asking for more is cut to it (agents ask for tens of thousands)", show_default="the model's context")] = None,
     prompt_cache_mb: Annotated[float, typer.Option(min=0, help="memory for finished requests' keys and values, reused by the next turn; 0 turns it off")] = 1024,
     max_body_bytes: Annotated[int, typer.Option(min=1, help="largest request body accepted (413 above)", show_default="4 MiB")] = 4 << 20,
-    api_key: Annotated[Optional[str], typer.Option(help="the key every route but /health then needs (Authorization: Bearer KEY or x-api-key: KEY)", show_default=f"none, or ${API_KEY_ENV}")] = None,
+    api_key: Annotated[Optional[str], typer.Option(help="the key every route but /health and / then needs (Authorization: Bearer KEY or x-api-key: KEY)", show_default=f"none, or ${API_KEY_ENV}")] = None,
     max_queue: Annotated[Optional[int], typer.Option(min=0, help="requests that may wait for a place in the batch; more get 429", show_default="no limit")] = None,
     keep_alive: Annotated[float, typer.Option(parser=positive_seconds, metavar="SECONDS", help="seconds between keep-alive comments of a streamed answer that waits or prefills")] = 5.0,
     shutdown_timeout: Annotated[float, typer.Option(min=0, help="on SIGTERM, seconds running requests may finish")] = 30.0,

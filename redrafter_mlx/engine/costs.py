@@ -176,9 +176,11 @@ class StepCosts:
 def corrected(curve: CostCurve, learned: Learned, context: int) -> CostCurve:
     """``curve`` (at ``context``) with each size's pass and fixed cost, and
     the plain token, scaled by what the steps showed there; the search as
-    a step of two nodes is (a small piece of work, slowed as such work is)."""
+    a step of two nodes is (a small piece of work, slowed as such work is).
+    A step faster than the curve's (a ratio below 1) is taken as its pass
+    and its fixed cost both faster, so a pass never comes out free."""
     step = curve.step_seconds
-    seconds = [learned.ratio(context, node_kind(n)) * (s + step) - step for n, s in zip(curve.sizes, curve.seconds)]
+    seconds = [max(r * (s + step) - step, r * s) for r, s in ((learned.ratio(context, node_kind(n)), s) for n, s in zip(curve.sizes, curve.seconds))]
     seconds = [max(seconds[: i + 1]) for i in range(len(seconds))]  # more nodes never cost less
     plain = learned.ratio(context, PLAIN) * curve.plain
     draft = learned.ratio(context, node_kind(2)) * curve.draft_seconds

@@ -36,7 +36,7 @@ class Answer:
         """syntax: how the model writes tool calls (read when the job has tools)."""
         self.tokenizer, self.job, self.ticket, self.scheduler = tokenizer, job, ticket, scheduler
         self.detokenizer = tokenizer.detokenizer
-        self.stops = StopStrings(job.stops)
+        self.stops = StopStrings(job.stops + job.turn_ends)
         self.tools = ToolCallText(syntax, job.tools) if job.tools else None
         self.completion_tokens = self.cached_tokens = self.steps = self.step_tokens = self.step_nodes = 0
         self.finish_reason: Optional[str] = None
@@ -133,7 +133,7 @@ class Answer:
             part.text += self.tools.finish()
             self._take_calls(part)
         self.finish_reason = "tool_calls" if self.calls and reason == "stop" else reason
-        self.stop_sequence = stop_sequence
+        self.stop_sequence = None if stop_sequence in self.job.turn_ends else stop_sequence
 
     def _take_calls(self, part: Part) -> None:
         for call in self.tools.calls[len(self.calls) :]:

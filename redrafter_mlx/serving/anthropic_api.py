@@ -1,9 +1,10 @@
 """The Anthropic Messages dialect: ``POST /v1/messages`` and
 ``/v1/messages/count_tokens``, the protocol of Claude Code and other agent
-clients. A conversation of text, ``tool_use`` and ``tool_result`` blocks is
-rendered through the model's chat template as the equivalent OpenAI-style
-conversation; the answer comes back as content blocks, whole or as
-Anthropic's event stream."""
+clients, with the beta API's system messages among ``messages``. A
+conversation of text, ``tool_use`` and ``tool_result`` blocks becomes the
+equivalent OpenAI-style conversation, which ``ChatRenderer`` renders (the
+model's chat template, or a turn format); the answer comes back as content
+blocks, whole or as Anthropic's event stream."""
 
 import json
 import secrets
@@ -186,8 +187,11 @@ def check_options(body: dict, ctx: Context) -> None:
         raise BadRequest(f"'context_management.edits' must be a list of edits of type {' or '.join(EDITS)}", "context_management")
     for edit in edits:
         trigger = edit.get("trigger") or {"type": "input_tokens", "value": CLEAR_TOOL_USES_TRIGGER}
+        value = trigger.get("value") if isinstance(trigger, dict) else None
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise BadRequest("'context_management.edits[].trigger' must be {\"type\": ..., \"value\": a number}", "context_management")
         if edit["type"] == "clear_tool_uses_20250919" and not (
-                trigger.get("type") == "input_tokens" and ctx.max_context and trigger.get("value", 0) >= ctx.max_context):
+                trigger.get("type") == "input_tokens" and ctx.max_context and value >= ctx.max_context):
             raise BadRequest("clearing tool results ('clear_tool_uses') before the model's context is full is not supported", "context_management")
 
 

@@ -27,6 +27,10 @@ class PromptCacheStore:
         self.shared: dict = {}  # id of an entry -> the longest prefix of it another prompt went on from
         self.nbytes = 0
 
+    def reusable(self, prompt: Sequence[int]) -> int:
+        """How many of ``prompt``'s tokens the best entry would serve (nothing changes)."""
+        return max((c.reusable(prompt) for c in self.entries), default=0)
+
     def find(self, prompt: Sequence[int]) -> Optional[PromptCache]:
         """The cache sharing the longest prefix with ``prompt``, if any."""
         best = max(self.entries, key=lambda c: c.reusable(prompt), default=None)

@@ -87,6 +87,18 @@ def fold_system(messages: list) -> list:
     return ([{"role": "system", "content": "\n\n".join(system)}] if system else []) + rest
 
 
+def system_in_first_user(messages: list) -> list:
+    """System messages written at the head of the first user message (for
+    templates that have no system role)."""
+    system = [m["content"] for m in messages if m["role"] == "system"]
+    rest = [dict(m) for m in messages if m["role"] != "system"]
+    first = next((m for m in rest if m["role"] == "user" and isinstance(m.get("content"), str)), None)
+    if first is None:
+        return [{"role": "user", "content": "\n\n".join(system)}] + rest
+    first["content"] = "\n\n".join(system + [first["content"]])
+    return rest
+
+
 class ChatRenderer:
     """Renders conversations for one tokenizer (see the module docstring).
 
@@ -138,11 +150,15 @@ class ChatRenderer:
             return apply(template_messages(messages), tokenize=False, add_generation_prompt=True, **options)
         except Exception as e:  # the template's own checks (roles, order)
             first_error = e
-        if any(m["role"] == "system" for m in messages[1:]):
-            try:
-                return apply(template_messages(fold_system(messages)), tokenize=False, add_generation_prompt=True, **options)
-            except Exception:
-                pass
+        # A template that takes a system message only first gets them joined;
+        # one that takes none gets them at the head of the first user message.
+        for fold in (fold_system if any(m["role"] == "system" for m in messages[1:]) else None,
+                     system_in_first_user if any(m["role"] == "system" for m in messages) else None):
+            if fold is not None:
+                try:
+                    return apply(template_messages(fold(messages)), tokenize=False, add_generation_prompt=True, **options)
+                except Exception:
+                    pass
         raise UserError(f"the chat template refused the conversation ({first_error})")
 
     def encode(self, messages: list, tools: Optional[list] = None, options: Optional[dict] = None) -> list:

@@ -38,8 +38,12 @@ class Job:
     prompt log keeps. tools: the request's tools in OpenAI's form (None:
     none, or ``tool_choice`` "none"); their calls are then read from the
     answer. logprobs: None, or how many alternatives to report per token.
-    left_out: the names of tools left out of the prompt (hosted tools this
-    server cannot run). echo: what the answer repeats of the request.
+    left_out: the tools left out of the prompt, by name or type (hosted tools
+    this server cannot run, and tools whose loading the client deferred).
+    echo: what the answer repeats of the request.
+    turn_ends: text that ends the model's turn where the turn format has no
+    token for it (plain turns): the answer stops there as at its end, not
+    as at a client's stop sequence.
     """
 
     request: Request
@@ -52,6 +56,7 @@ class Job:
     logprobs: Optional[int] = None
     left_out: list = field(default_factory=list)
     echo: dict = field(default_factory=dict)
+    turn_ends: list = field(default_factory=list)
 
 
 @dataclass
@@ -130,7 +135,7 @@ def sampling(body: dict, ctx: Context, temperature: float = 0.0, logprobs: Optio
             frequency_context_size=number(body, "frequency_context_size", 20, low=1, integer=True),
             xtc_probability=number(body, "xtc_probability", 0.0, low=0, high=1),
             xtc_threshold=number(body, "xtc_threshold", 0.1, low=0, high=0.5),
-            xtc_special_tokens=tuple(ctx.tokenizer.encode("\n", add_special_tokens=False)) + tuple(ctx.tokenizer.eos_token_ids),
+            xtc_special_tokens=tuple(ctx.tokenizer.encode("\n", add_special_tokens=False)) + tuple(ctx.renderer.eos_token_ids),
             logit_bias=logit_bias(body.get("logit_bias"), ctx.vocab_size),
             forced=tuple(forced),
             forced_at=prompt_length,

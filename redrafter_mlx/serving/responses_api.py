@@ -7,10 +7,12 @@ as ``system``: chat templates know that role), ``function_call`` items an
 assistant's ``tool_calls`` (consecutive calls, and a call right after the
 assistant's text, join one assistant message), a ``function_call_output``
 item a ``tool`` message. Tools come flat (``{"type": "function", "name",
-"parameters"}``) and go through the chat route's tool machinery in its
-nested form. The answer is a Response whose ``output`` lists a message
-item for the text and a ``function_call`` item per call, in the order the
-model wrote them, whole or as the Responses event stream.
+"parameters"}``), in ``namespace`` tools, or as ``custom`` tools of one
+text input, and go through the chat route's tool machinery in its nested
+form (``ToolName``). The answer is a Response whose ``output`` lists a
+message item for the text and a ``function_call`` item per call (with its
+``namespace``), or a ``custom_tool_call`` item, in the order the model
+wrote them, whole or as the Responses event stream.
 
 The server keeps nothing: ``store`` is answered false, and a request that
 refers to stored state (``previous_response_id``, ``conversation``,
@@ -92,6 +94,14 @@ def _string(item: dict, key: str, where: str) -> str:
     return item[key]
 
 
+def _namespace(item: dict, where: str) -> Optional[str]:
+    """A call item's ``namespace`` (None or empty: none)."""
+    namespace = item.get("namespace")
+    if namespace is not None and not isinstance(namespace, str):
+        raise BadRequest(f"'{where}.namespace' must be a string", "input")
+    return namespace or None
+
+
 def _call(call: dict, out: list) -> None:
     """An assistant's tool call joins the assistant message before it (a
     call right after the assistant's text, or after another call)."""
@@ -129,15 +139,12 @@ def conversation(body: dict) -> list:
                 raise BadRequest(f"'{where}' needs a 'content'", "input")
             out.append({"role": ROLES[item["role"]], "content": _text(item["content"], f"{where}.content")})
         elif kind == "function_call":
-            namespace = item.get("namespace")
-            if namespace is not None and not isinstance(namespace, str):
-                raise BadRequest(f"'{where}.namespace' must be a string", "input")
-            shown = ToolName(_string(item, "name", where), namespace).shown
+            shown = ToolName(_string(item, "name", where), _namespace(item, where)).shown
             _call({"id": _string(item, "call_id", where), "type": "function",
                    "function": {"name": shown, "arguments": _string(item, "arguments", where)}}, out)
         elif kind == "custom_tool_call":
             arguments = json.dumps({"input": _string(item, "input", where)}, ensure_ascii=False)
-            shown = ToolName(_string(item, "name", where), item.get("namespace") or None).shown
+            shown = ToolName(_string(item, "name", where), _namespace(item, where)).shown
             _call({"id": _string(item, "call_id", where), "type": "function", "function": {"name": shown, "arguments": arguments}}, out)
         elif kind in ("function_call_output", "custom_tool_call_output"):
             if "output" not in item:
@@ -201,6 +208,34 @@ def tool_list(value) -> tuple[Optional[list], dict, list]:
     return chat_tool_list(out), names, left_out
 
 
+def shown_name(name: str, names: dict) -> str:
+    """The name the model sees for a function a client named: a flat
+    function's own, else a namespace's function of that name."""
+    if name in names:
+        return name
+    return next((shown for shown, c in names.items() if c.name == name), name)
+
+
+def allowed_tools(choice, tools: Optional[list], names: dict) -> Optional[list]:
+    """The tools offered to the model: with ``tool_choice`` of type
+    ``allowed_tools``, only those it lists (a function by its name, as
+    ``shown_name`` finds it, or with its ``namespace``; a whole namespace)."""
+    if not isinstance(choice, dict) or choice.get("type") != "allowed_tools" or tools is None:
+        return tools
+    listed = choice.get("tools")
+    if not isinstance(listed, list) or not all(isinstance(t, dict) for t in listed):
+        raise BadRequest("'tool_choice.tools' must be a list of tools, such as {\"type\": \"function\", \"name\": ...}", "tool_choice")
+    allowed = set()
+    for t in listed:
+        name, namespace = t.get("name"), t.get("namespace")
+        if t.get("type") == "namespace":
+            allowed |= {shown for shown, c in names.items() if c.namespace == name}
+        elif isinstance(name, str):
+            allowed.add(ToolName(name, namespace).shown if isinstance(namespace, str) else shown_name(name, names))
+    kept = [t for t in tools if t["function"]["name"] in allowed]
+    return kept or None
+
+
 def tool_choice(value):
     """The Responses ``tool_choice`` in the chat route's form (a named
     function: ``{"type": "function", "name"}`` there nests the name)."""
@@ -262,10 +297,10 @@ def render_prompt(body: dict, ctx: Context) -> tuple:
     _options(body)
     messages = conversation(body)
     tools, names, left_out = tool_list(body.get("tools"))
+    tools = allowed_tools(body.get("tool_choice"), tools, names)
     choice = tool_choice(body.get("tool_choice"))
-    if isinstance(choice, dict):  # a named function in a namespace is named as the model sees it
-        choice["function"]["name"] = next((shown for shown, c in names.items() if c.name == choice["function"]["name"]),
-                                          choice["function"]["name"])
+    if isinstance(choice, dict):
+        choice["function"]["name"] = shown_name(choice["function"]["name"], names)
     allowed, name, required = chat_tool_choice(choice, tools)
     _text_format(body.get("text"))
     prompt = render(ctx, messages, tools if allowed else None, template_kwargs(body), "input")
@@ -388,9 +423,11 @@ class Output:
         where = {"item_id": item["id"], "output_index": index}
         if tool.custom:
             try:
-                text = json.loads(call["arguments"]).get("input", "")
-            except (json.JSONDecodeError, AttributeError):
-                text = call["arguments"]
+                parsed = json.loads(call["arguments"])
+            except json.JSONDecodeError:
+                parsed = None
+            # The model's one text argument; arguments written otherwise come as they are.
+            text = parsed["input"] if isinstance(parsed, dict) and "input" in parsed else call["arguments"]
             item = dict(item, type="custom_tool_call", id=f"ctc_{call['id'].removeprefix('call_')}", input=str(text))
             del item["arguments"]
             where["item_id"] = item["id"]
@@ -467,7 +504,8 @@ class ResponsesAnswer:
         response.content_part.added, response.output_text.delta as the text
         comes, response.output_text.done and response.content_part.done, for
         a function call response.function_call_arguments.delta and .done,
-        and response.output_item.done; finally response.completed (or
+        for a custom tool's call response.custom_tool_call_input.delta and
+        .done, and response.output_item.done; finally response.completed (or
         response.incomplete) with the whole Response and its usage. An
         engine failure ends it with an error event and response.failed;
         comments keep the connection alive while nothing comes."""

@@ -249,13 +249,15 @@ class Scheduler:
 
     def _next_joining(self) -> list:
         """The waiting requests that start their prefill now: the first, and
-        while each is short (at most one chunk left to feed), those after
-        it, as long as the batch has room. A long prompt is prefilled alone,
-        a chunk between the running rows' steps."""
+        while each is short (at most one chunk left to feed, after what the
+        prompt cache serves), those after it, as long as the batch has room.
+        A long prompt is prefilled alone, a chunk between the running rows'
+        steps."""
         room = self.max_batch - sum(1 for t in self.active.values() if not t.cancelled)
         joining = []
         for ticket in self.waiting[: max(room, 0)]:
-            alone = not self.ranks.several and len(ticket.request.prompt) > self.decoder.prefill_step_size
+            prompt = ticket.request.prompt
+            alone = not self.ranks.several and len(prompt) - self.store.reusable(prompt) > self.decoder.prefill_step_size
             if joining and alone:
                 break
             joining.append(ticket)

@@ -109,7 +109,8 @@ class Guard:
             await response(scope, receive, sending)
         else:
             await self.app(scope, receive, sending)
-        self.metrics.add("requests_total", endpoint=path if path in ROUTES else "other", status=status[0])
+        endpoint = path if path in ROUTES else "/v1/models/{id}" if path.startswith("/v1/models/") else "other"
+        self.metrics.add("requests_total", endpoint=endpoint, status=status[0])
         if self.log is not None:
             query = scope.get("query_string") or b""
             target = path + ("?" + query.decode("latin-1") if query else "")
@@ -126,7 +127,8 @@ class Server:
     model's context (prompts must be shorter), None if unknown. prompt_log:
     where each valid request's prompt is appended (chat requests as their
     conversation, completions as token ids), or None. api_key: the key
-    every route but /health needs (None: none). keep_alive: seconds between
+    every route but /health and the connectivity checks (``/``,
+    ``/api/hello``) needs (None: none). keep_alive: seconds between
     keep-alive comments of a streamed answer that has nothing to send.
     access_log: where each request's line goes once answered (None: nowhere).
     max_output_tokens: the most tokens any answer gets (None: up to the context).
@@ -273,7 +275,7 @@ class Server:
         if self.max_output_tokens:
             job.request.max_tokens = min(job.request.max_tokens, self.max_output_tokens)
         if job.kind != "completion":
-            job.stops = job.stops + list(renderer.stop_strings)
+            job.turn_ends = list(renderer.stop_strings)
         for name in job.left_out:
             if name not in self.left_out:
                 self.left_out.add(name)

@@ -145,8 +145,9 @@ class ToolCallText:
     ``add(text)`` returns the content that may be shown now; complete calls
     gather in ``calls`` (each ``{"name", "arguments"}``, arguments a mapping
     or what the parser gave); ``finish()`` ends the answer, parsing a call
-    left open (a family whose calls end with the answer). A call the parser
-    cannot read is dropped, as mlx-lm's server drops it.
+    left open (a family whose calls end with the answer). Text the parser
+    cannot read as a call (one cut at the answer's length, or the markers
+    written in prose) is content, as it was written.
     """
 
     def __init__(self, syntax: ToolFormat, tools: Optional[list]):

@@ -29,6 +29,14 @@ def test_a_ratio_not_seen_is_its_contexts_nearest_kinds_then_a_shorter_contexts(
     assert learned.ratio(3000, node_kind(8)) < 10.0  # a pause of the process is not the machine
 
 
+def test_steps_faster_than_the_curve_never_make_a_pass_free():
+    curve = CostCurve([1, 2, 4], [0.001, 0.0012, 0.0015], 0.0005, 0.002, 0.001)  # a fixed cost larger than a pass
+    learned = Learned()
+    learned.add(100, node_kind(2), 0.4)
+    faster = costs.corrected(curve, learned, 100)
+    assert faster(2) == pytest.approx(0.4 * 0.0012) and all(s > 0 for s in faster.seconds)
+
+
 def test_steps_correct_the_curve_where_they_run_and_only_there(monkeypatch):
     monkeypatch.setattr(costs, "learning", lambda redrafter: True)
     monkeypatch.setattr(costs, "LEARNED", {})

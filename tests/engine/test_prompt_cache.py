@@ -90,8 +90,9 @@ def test_the_store_finds_the_longest_shared_prefix_and_keeps_within_its_memory()
     store = PromptCacheStore(max_bytes=32 * 10)  # ten tokens
     store.add(entry([1, 2, 3]))
     store.add(entry([7, 8]))
+    assert store.reusable([1, 2, 3, 4]) == 3 and [e.tokens for e in store.entries] == [[1, 2, 3], [7, 8]]  # a look changes nothing
     assert store.find([1, 2, 3, 4]).tokens == [1, 2, 3]
-    assert store.find([5]) is None
+    assert store.find([5]) is None and store.reusable([5]) == 0
     store.add(entry([1, 2, 3, 4, 5]))  # the next turn replaces the one it extends
     assert [e.tokens for e in store.entries] == [[7, 8], [1, 2, 3, 4, 5]]
     store.add(entry([9, 9, 9, 9]))  # over the limit: the least recently used goes

@@ -313,9 +313,11 @@ def test_what_claude_code_calls_besides_messages(server):
     ({"output_config": {"format": {"type": "json_schema", "schema": {}}}}, "structured output"),
     ({"thinking": {"type": "sometimes"}}, "'thinking'"),
     ({"context_management": {"edits": [{"type": "clear_tool_uses_20250919", "trigger": {"type": "input_tokens", "value": 100}}]}}, "clear_tool_uses"),
+    ({"context_management": {"edits": [{"type": "clear_tool_uses_20250919", "trigger": 5}]}}, "trigger"),
+    ({"context_management": {"edits": [{"type": "clear_thinking_20251015", "trigger": {"type": "input_tokens", "value": "x"}}]}}, "trigger"),
     ({"mcp_servers": [{"type": "url", "url": "http://x"}]}, "mcp_servers"),
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "text only"),
-], ids=["format", "thinking", "clearing", "mcp", "image"])
+], ids=["format", "thinking", "clearing", "trigger", "trigger-value", "mcp", "image"])
 def test_what_would_change_the_answer_unseen_is_refused_in_anthropics_shape(server, change, message):
     response = httpx.post(f"{server}/v1/messages?beta=true", json=dict(CODING_AGENT, stream=False, **change), headers={"x-api-key": KEY})
     assert response.status_code == 400 and response.json()["type"] == "error" and message in response.json()["error"]["message"]

@@ -1,6 +1,6 @@
 """Conversations rendered for tokenizers that cannot render them alone: no
 chat template (a turn format), a template without tool syntax (the generic
-one), a template that refuses system messages after the first."""
+one), a template that refuses system messages after the first, or all."""
 
 import json
 
@@ -99,3 +99,10 @@ def test_system_messages_stay_in_place_unless_the_template_refuses_them():
     refusing = ChatRenderer(tokenizer([], "{{ raise_exception('no') }}"))
     with pytest.raises(UserError, match="refused the conversation"):
         refusing.text(middle)
+
+
+def test_a_template_without_a_system_role_gets_the_system_text_and_tools_in_the_first_user_message():
+    no_system = ChatRenderer(tokenizer([], STRICT.replace("and not loop.first", "")))  # refuses every system message
+    assert no_system.text(CALLED[:2]) == "[user] Be brief.\n\nShow a.txt [assistant] "
+    with_tools = no_system.text(CALLED[1:2], TOOLS)  # the generic tools' text is a system message
+    assert with_tools.startswith("[user] # Tools") and with_tools.endswith("Show a.txt [assistant] ")

@@ -183,6 +183,9 @@ BAD_REQUESTS = [
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, 400, "text only", "input"),
     ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, 400, "'input[0].call_id'", "input"),
     ({"input": [{"type": "function_call_output", "call_id": "c"}]}, 400, "'output'", "input"),
+    ({"input": [{"type": "custom_tool_call", "call_id": "c", "name": "f", "input": "x", "namespace": 5}]}, 400, "'input[0].namespace'", "input"),
+    ({"input": "w", "tools": [{"type": "function", "name": "f"}], "tool_choice": {"type": "allowed_tools", "mode": "auto", "tools": "f"}},
+     400, "'tool_choice.tools'", "tool_choice"),
     ({"input": "w", "instructions": 5}, 400, "'instructions'", "instructions"),
     ({"input": "w", "tools": [{"type": "namespace", "name": "n", "tools": "f"}]}, 400, "'tools[0]' must be {\"type\": \"namespace\"", "tools"),
     ({"input": "w", "tools": CHAT_TOOLS}, 400, "flat", "tools"),
@@ -257,3 +260,17 @@ def test_an_engine_failure_mid_stream_ends_with_error_and_response_failed():
     failed = events[-1].response
     assert failed.status == "failed" and failed.error.code == "server_error" and failed.error.message == "the engine failed"
     assert failed.output[0].content[0].text == "It is" and failed.usage.output_tokens == 2
+
+
+def test_a_named_or_allowed_function_is_the_flat_one_first_then_a_namespaces():
+    from redrafter_mlx.serving.responses_api import allowed_tools, shown_name, tool_list
+
+    function = {"type": "function", "parameters": {"type": "object", "properties": {}}}
+    tools, names, _ = tool_list([{"type": "namespace", "name": "fs", "tools": [dict(function, name="read"), dict(function, name="list")]},
+                                 dict(function, name="read"), dict(function, name="spawn")])
+    assert shown_name("read", names) == "read" and shown_name("list", names) == "fs.list"
+    listed = lambda *entries: [t["function"]["name"] for t in allowed_tools({"type": "allowed_tools", "mode": "auto", "tools": list(entries)}, tools, names)]  # noqa: E731
+    assert listed({"type": "function", "name": "read", "namespace": "fs"}) == ["fs.read"]
+    assert listed({"type": "function", "name": "spawn"}, {"type": "web_search"}) == ["spawn"]
+    assert listed({"type": "namespace", "name": "fs"}) == ["fs.read", "fs.list"]
+    assert allowed_tools("auto", tools, names) is tools
