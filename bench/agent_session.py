@@ -71,10 +71,13 @@ def session(tokenizer, first: int, step: int, turns: int) -> list:
     system, reference = "You are a careful assistant who reads code and answers briefly.\n\n# Reference\n", []
     size = lambda text: len(tokenizer.encode(text))  # noqa: E731
     base = size(json.dumps(tools)) + size(system)
-    for module in REFERENCE:
+    for module in REFERENCE:  # each module's docstring, then its functions' first paragraphs
         if base + sum(map(size, reference)) > first - 400:
             break
-        reference.append(f"## {module}\n{inspect.getdoc(__import__(module)) or ''}\n")
+        imported = __import__(module)
+        functions = [f"{name}: {inspect.getdoc(f).split(chr(10) * 2)[0]}" for name, f in sorted(vars(imported).items())
+                     if inspect.isfunction(f) and not name.startswith("_") and inspect.getdoc(f)]
+        reference.append(f"## {module}\n{inspect.getdoc(imported) or ''}\n" + "\n".join(functions) + "\n")
     system += "\n".join(reference)
     source = "\n".join(Path(inspect.getsourcefile(__import__(m))).read_text() for m in SOURCES)
     lines, at = source.splitlines(), 0
@@ -142,6 +145,16 @@ def theirs(url: str, prompt: str, max_tokens: int) -> dict:
             "tokens": tokens}
 
 
+def answer_of(raw: str, reader) -> str:
+    """mlx_lm.server's raw text as ``ours`` reports redrafter-mlx's answer:
+    text, and each tool call as its marker and arguments, read by the same
+    parser (a call cut at the length limit stays text)."""
+    tools = reader()
+    text = tools.add(raw) + tools.finish()
+    return text + "".join(f"<call {c['name']}>" + (c["arguments"] if isinstance(c["arguments"], str) else json.dumps(c["arguments"]))
+                          for c in tools.calls)
+
+
 def prefill_alone(url: str, text: str) -> float:
     """Seconds to the first token of a prompt of just ``text`` (nothing of it cached)."""
     tic = time.perf_counter()
@@ -165,10 +178,12 @@ def main() -> None:
     from redrafter_mlx.loading.loader import load_base_model
     from redrafter_mlx.serving.anthropic_api import conversation, tool_list
     from redrafter_mlx.serving.chat_format import ChatRenderer
+    from redrafter_mlx.serving.tools import ToolCallText
 
     model = gemma3_270m_path() if args.model == "gemma" else args.model
     _, tokenizer = load_base_model(model, "float32")
     renderer = ChatRenderer(tokenizer)
+    reader = lambda: ToolCallText(renderer.tools, tool_list(bodies[0]["tools"])[0])  # noqa: E731
     bodies = [dict(b, max_tokens=args.max_tokens) for b in session(tokenizer, args.first, args.step, args.turns)]
     texts = [renderer.text(conversation(b), tool_list(b["tools"])[0]) for b in bodies]
     lengths = [len(renderer.encode(conversation(b), tool_list(b["tools"])[0])) for b in bodies]
@@ -190,7 +205,7 @@ def main() -> None:
             new = text[len(texts[turn - 1]) :] if turn else text
             row["new_tokens"] = lengths[turn] - (lengths[turn - 1] if turn else 0)
             row["prefill_new_alone"] = prefill_alone(servers["redrafter"][1], new) if turn else None
-            row["same_text"] = row["redrafter"]["text"] == row["mlx_lm"]["text"]
+            row["same_text"] = row["redrafter"]["text"] == answer_of(row["mlx_lm"]["text"], reader)
             rows.append(row)
             r, m = row["redrafter"], row["mlx_lm"]
             alone = f", new tokens alone {row['prefill_new_alone']:.1f} s ({r['ttft'] / row['prefill_new_alone']:.2f}x)" if turn else ""

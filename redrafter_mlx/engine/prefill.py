@@ -80,8 +80,11 @@ class Prefill:
         layout.begin_chunk()
         out = self.base.backbone(tokens[:, fed:end], cache=cache)
         layout.end_chunk(end - fed)
-        # The output too: for a model split over ranks it carries the hops.
-        mx.eval(out, [c.state_arrays() for c in cache])
+        # Only the caches: the chunk's output is not needed, so the last
+        # layer's attention and MLP are never computed (as mlx-lm's loop
+        # evaluates only its caches). A model split over ranks evaluates the
+        # output too: it carries the hops between ranks.
+        mx.eval([c.state_arrays() for c in cache], [out] if self.base.ranks.several else [])
         group[3] = end
 
     def finish(self):
