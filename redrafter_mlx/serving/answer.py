@@ -67,11 +67,12 @@ class Answer:
                 if event.error is not None:
                     self.error, done = event.error, True
                     return
-                part = self._add(event)
+                parts = self._add(event)
                 done = self.finish_reason is not None
-                if part.text or part.calls or part.logprobs:
-                    last = time.monotonic()
-                    yield part
+                for part in parts:
+                    if part.text or part.calls or part.logprobs:
+                        last = time.monotonic()
+                        yield part
         finally:
             if not done:
                 self.scheduler.cancel(self.ticket)
@@ -95,43 +96,58 @@ class Answer:
             return None, (400, "the client went away")
         return part, None
 
-    def _add(self, event: Event) -> Part:
+    def _add(self, event: Event) -> list:
+        """The parts one event gives, in the order the model wrote them: a
+        part's text comes before its calls, so text written after a call
+        starts the next part."""
         if event.num_accepted is None:
             self.cached_tokens = max(self.cached_tokens, event.cached_tokens)
         else:
             self.steps += 1
             self.step_tokens += event.num_accepted + 1
             self.step_nodes += event.num_nodes
-        part = Part()
+        parts = [Part()]
         for i, token in enumerate(event.tokens):
             self.completion_tokens += 1
             if event.logprobs is not None:
                 logprob, top = event.logprobs[i]
-                part.logprobs.append((token, logprob, top))
+                parts[-1].logprobs.append((token, logprob, top))
             self.detokenizer.add_token(token)
-            self._show(part, self.stops.add(self.detokenizer.last_segment))
+            self._show(parts, self.stops.add(self.detokenizer.last_segment))
             if self.stops.stopped:
-                self._finish(part, "stop", self.stops.matched)
+                self._finish(parts, "stop", self.stops.matched)
                 self.scheduler.cancel(self.ticket)
-                return part
+                return parts
         if event.finish_reason is not None:
             self.detokenizer.finalize()
-            self._show(part, self.stops.add(self.detokenizer.last_segment))
-            self._show(part, self.stops.flush())
-            self._finish(part, "stop" if self.stops.stopped else event.finish_reason, self.stops.matched)
-        return part
+            self._show(parts, self.stops.add(self.detokenizer.last_segment))
+            self._show(parts, self.stops.flush())
+            self._finish(parts, "stop" if self.stops.stopped else event.finish_reason, self.stops.matched)
+        return parts
 
-    def _show(self, part: Part, text: str) -> None:
+    def _show(self, parts: list, text: str) -> None:
         if self.tools is None:
-            part.text += text
+            parts[-1].text += text
             return
-        part.text += self.tools.add(text)
-        self._take_calls(part)
+        while True:
+            called = len(self.tools.calls)
+            self._append(parts, self.tools.add(text))
+            text = ""
+            if len(self.tools.calls) == called:
+                return
 
-    def _finish(self, part: Part, reason: str, stop_sequence: Optional[str]) -> None:
+    def _append(self, parts: list, text: str) -> None:
+        """Text, then the calls completed with it, to the last part (a new
+        one when the last holds calls already and text comes)."""
+        if text and parts[-1].calls:
+            parts.append(Part())
+        parts[-1].text += text
+        self._take_calls(parts[-1])
+
+    def _finish(self, parts: list, reason: str, stop_sequence: Optional[str]) -> None:
         if self.tools is not None:
-            part.text += self.tools.finish()
-            self._take_calls(part)
+            self._show(parts, "")
+            self._append(parts, self.tools.finish())
         self.finish_reason = "tool_calls" if self.calls and reason == "stop" else reason
         self.stop_sequence = None if stop_sequence in self.job.turn_ends else stop_sequence
 

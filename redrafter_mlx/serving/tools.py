@@ -142,9 +142,10 @@ def template_messages(messages: list) -> list:
 class ToolCallText:
     """Splits an answer's text, as it streams, into content and tool calls.
 
-    ``add(text)`` returns the content that may be shown now; complete calls
-    gather in ``calls`` (each ``{"name", "arguments"}``, arguments a mapping
-    or what the parser gave); ``finish()`` ends the answer, parsing a call
+    ``add(text)`` returns the content that may be shown now, up to the end
+    of the first call it completes (the rest waits for the next ``add``,
+    which may be ``add("")``); complete calls gather in ``calls`` (each
+    ``{"name", "arguments"}``, arguments a mapping or what the parser gave); ``finish()`` ends the answer, parsing a call
     left open (a family whose calls end with the answer). Text the parser
     cannot read as a call (one cut at the answer's length, or the markers
     written in prose) is content, as it was written.
@@ -167,9 +168,12 @@ class ToolCallText:
                 at = self.pending.find(self.end)
                 if at < 0:
                     return shown
-                if not self._parse(self.pending[:at]):  # not a call after all: shown as it was written
+                called = self._parse(self.pending[:at])
+                if not called:  # not a call after all: shown as it was written
                     shown += self.start + self.pending[: at + len(self.end)]
                 self.pending, self.inside = self.pending[at + len(self.end) :], False
+                if called:  # what follows a call is read by the next ``add``, so the caller can keep the order
+                    return shown
             else:
                 at = self.pending.find(self.start)
                 if at < 0:
