@@ -8,21 +8,27 @@ from typing import Optional, Sequence
 from ..engine.prompt_cache import PromptCache
 
 
+MIN_REUSE = 8  # tokens: a shorter common start (a start-of-sequence token, a template's first turn header) is no match
+
+
 class PromptCacheStore:
     """Prompt caches of finished requests, for requests whose prompts begin
     like one of them, in at most ``max_bytes`` of keys and values.
 
-    ``find`` gives the cache sharing the longest prefix with a prompt. When
+    ``find`` gives the cache sharing the longest prefix with a prompt, if
+    it shares at least ``min_reuse`` tokens (a prompt that shares only what
+    every prompt begins with neither uses nor refreshes a cache, so it
+    cannot make a session's latest turn look older than an earlier one). When
     a prompt takes only the start of a cache and goes on differently, that
     start is a prefix conversations share (``shared``). Over the memory
-    bound, the tails beyond those shared prefixes go first, least recently
-    used first (a finished session's own turns), then whole caches, least
-    recently used first and shared prefixes last; a cache larger than the
-    whole store keeps the start that fits.
+    bound, caches go least recently used first, each down to its shared
+    prefix (a finished session's own turns) or whole if it shares none;
+    shared prefixes go last. A cache larger than the whole store keeps the
+    start that fits.
     """
 
-    def __init__(self, max_bytes: int):
-        self.max_bytes = max_bytes
+    def __init__(self, max_bytes: int, min_reuse: int = MIN_REUSE):
+        self.max_bytes, self.min_reuse = max_bytes, min_reuse
         self.entries: list[PromptCache] = []  # least recently used first
         self.shared: dict = {}  # id of an entry -> the longest prefix of it another prompt went on from
         self.nbytes = 0
@@ -35,7 +41,7 @@ class PromptCacheStore:
         """The cache sharing the longest prefix with ``prompt``, if any."""
         best = max(self.entries, key=lambda c: c.reusable(prompt), default=None)
         reused = 0 if best is None else best.reusable(prompt)
-        if not reused:
+        if reused < max(self.min_reuse, 1):
             return None
         if reused < min(len(best), len(prompt) - 1):  # the prompt goes on differently: a shared prefix
             self.shared[id(best)] = max(self.shared.get(id(best), 0), reused)
@@ -68,22 +74,23 @@ class PromptCacheStore:
         return [other for other in self.entries if other is not entry and other.reusable(prefix) >= length]
 
     def _shrink(self) -> None:
-        """Free some memory: a tail beyond a shared prefix (that prefix kept
-        once: where another cache holds it, it is now known as shared there),
-        else a whole cache."""
-        for entry in self.entries:
-            keep = self.shared.get(id(entry), 0)
-            if keep and keep < len(entry) and not entry.recurrent:
-                holders = self._holders(entry, keep)
-                for other in holders:
-                    self.shared[id(other)] = max(self.shared.get(id(other), 0), keep)
-                if holders:
-                    self._remove(entry)
-                else:
-                    self._replace(entry, entry.cut(keep).compact(), keep)
-                return
-        prefixes = [e for e in self.entries if self.shared.get(id(e), 0) >= len(e)]
-        self._remove(next((e for e in self.entries if e not in prefixes), self.entries[0]))
+        """Free some memory from the least recently used cache that is more
+        than a shared prefix: its tail beyond its shared prefix (the whole
+        cache where another holds that prefix: it is now known as shared
+        there), or the whole of it when it shares nothing. Shared prefixes
+        alone go last, least recently used first."""
+        entry = next((e for e in self.entries if self.shared.get(id(e), 0) < len(e)), self.entries[0])
+        keep = self.shared.get(id(entry), 0)
+        if keep and keep < len(entry) and not entry.recurrent:
+            holders = self._holders(entry, keep)
+            for other in holders:
+                self.shared[id(other)] = max(self.shared.get(id(other), 0), keep)
+            if holders:
+                self._remove(entry)
+            else:
+                self._replace(entry, entry.cut(keep).compact(), keep)
+            return
+        self._remove(entry)
 
     def _replace(self, entry: PromptCache, cut: PromptCache, shared: int) -> None:
         index = self.entries.index(entry)

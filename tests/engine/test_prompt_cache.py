@@ -87,7 +87,7 @@ def entry(tokens):
 
 
 def test_the_store_finds_the_longest_shared_prefix_and_keeps_within_its_memory():
-    store = PromptCacheStore(max_bytes=32 * 10)  # ten tokens
+    store = PromptCacheStore(max_bytes=32 * 10, min_reuse=1)  # ten tokens
     store.add(entry([1, 2, 3]))
     store.add(entry([7, 8]))
     assert store.reusable([1, 2, 3, 4]) == 3 and [e.tokens for e in store.entries] == [[1, 2, 3], [7, 8]]  # a look changes nothing
@@ -104,7 +104,7 @@ def test_the_store_finds_the_longest_shared_prefix_and_keeps_within_its_memory()
 def test_over_its_memory_the_store_keeps_prefixes_sessions_share_before_their_tails():
     """Two sessions of an agent share their instructions (tokens 0-5); over
     the limit, a finished session's own turns go before that shared start."""
-    store = PromptCacheStore(max_bytes=32 * 20)
+    store = PromptCacheStore(max_bytes=32 * 20, min_reuse=1)
     instructions = list(range(6))
     store.add(entry(instructions + [50, 51, 52, 53]))  # session A's first turn
     assert store.find(instructions + [60, 61]).tokens[:6] == instructions  # session B starts from A's instructions
@@ -115,6 +115,24 @@ def test_over_its_memory_the_store_keeps_prefixes_sessions_share_before_their_ta
     store.add(entry([9] * 10))  # something else, over 20 again: B's own turn goes, the shared start stays
     assert [e.tokens for e in store.entries] == [instructions, [9] * 10] and store.nbytes == 32 * 16
     assert store.find(instructions + [70]).tokens == instructions  # a third session still starts from them
+
+
+def test_a_prompt_sharing_only_the_first_token_neither_matches_nor_makes_the_latest_turn_go_first():
+    """An earlier request, then an agent's turns 2 and 3 (3 extends 2's
+    prompt, not 2's answer), then one that shares only the first token:
+    over the limit, the least recently used go first (the earlier request,
+    then turn 2, whose start turn 3 holds), and turn 3 stays whole."""
+    store = PromptCacheStore(max_bytes=32 * 36, min_reuse=2)
+    store.add(entry([1, 70, 71, 72, 73, 74, 75, 76]))  # an earlier, unrelated request
+    turn2 = [1] + list(range(10, 20))
+    store.add(entry(turn2 + [90, 91]))  # turn 2 and its answer
+    turn3 = turn2 + list(range(30, 40))
+    assert len(store.find(turn3)) == 13
+    store.add(entry(turn3 + [92, 93]))  # over 36: the earlier request goes
+    assert [len(e) for e in store.entries] == [13, 23]
+    assert store.find([1, 80, 81]) is None and [len(e) for e in store.entries] == [13, 23]  # no match, nothing refreshed
+    store.add(entry([1, 80, 81, 82, 83, 84, 85]))  # over 36 again: turn 2 goes, not turn 3's tail
+    assert [len(e) for e in store.entries] == [23, 7] and store.find(turn3 + [50]).tokens[:21] == turn3
 
 
 def test_a_recurrent_state_is_reused_whole_or_not_at_all(redrafter):
