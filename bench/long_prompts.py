@@ -110,9 +110,10 @@ def mlx_lm_caches(model, cache: list, windows: list, length: int) -> list:
 
 def plain(model, prompt: list, saved: list, max_tokens: int, eos: set) -> tuple:
     caches = []
-    for c in saved:  # each run writes its own copy
+    for c in saved:  # each run writes its own copy (a window layer's writes in place, so its arrays too)
         copy = type(c).__new__(type(c))
         copy.__dict__.update(c.__dict__)
+        copy.keys, copy.values = c.keys * 1, c.values * 1
         caches.append(copy)
     tokens, first = [], None
     for token, _ in generate_step(mx.array(prompt[-1:]), model, max_tokens=max_tokens, prompt_cache=caches):
