@@ -147,12 +147,19 @@ def theirs(url: str, prompt: str, max_tokens: int) -> dict:
 
 def answer_of(raw: str, reader) -> str:
     """mlx_lm.server's raw text as ``ours`` reports redrafter-mlx's answer:
-    text, and each tool call as its marker and arguments, read by the same
-    parser (a call cut at the length limit stays text)."""
-    tools = reader()
-    text = tools.add(raw) + tools.finish()
-    return text + "".join(f"<call {c['name']}>" + (c["arguments"] if isinstance(c["arguments"], str) else json.dumps(c["arguments"]))
-                          for c in tools.calls)
+    text, and each tool call as its marker and arguments where the model
+    wrote it, read by the same parser (a call cut at the length limit stays
+    text)."""
+    tools, out, text = reader(), "", raw
+    while True:
+        called = len(tools.calls)
+        out += tools.add(text)
+        text = ""
+        for call in tools.calls[called:]:
+            arguments = call["arguments"]
+            out += f"<call {call['name']}>" + (arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False))
+        if len(tools.calls) == called:
+            return out + tools.finish()
 
 
 def prefill_alone(url: str, text: str) -> float:
