@@ -374,6 +374,9 @@ def serve(
     max_output_tokens: Annotated[Optional[int], typer.Option(min=1, help="the most new tokens any answer gets; a request asking for more is cut to it (agents ask for tens of thousands)", show_default="the model's context")] = None,
     prompt_cache_mb: Annotated[float, typer.Option(min=0, help="memory for finished requests' keys and values, reused by the next turn; 0 turns it off")] = 1024,
     max_body_bytes: Annotated[int, typer.Option(min=1, help="largest request body accepted (413 above)", show_default="4 MiB")] = 4 << 20,
+    read_timeout: Annotated[float, typer.Option(parser=positive_seconds, metavar="SECONDS", help="seconds a client has to send a request's headers (from the connection's opening or the previous answer), then as long for its body; a late body gets 408, late headers a closed connection")] = 30.0,
+    max_header_bytes: Annotated[int, typer.Option(min=1024, help="largest request line and headers accepted (431 above)", show_default="64 KiB")] = 64 << 10,
+    max_connections: Annotated[int, typer.Option(min=1, help="open connections, idle ones included; a request on one beyond gets 503")] = 2048,
     api_key: Annotated[Optional[str], typer.Option(help="the key every route but /health and / then needs (Authorization: Bearer KEY or x-api-key: KEY)", show_default=f"none, or ${API_KEY_ENV}")] = None,
     max_queue: Annotated[Optional[int], typer.Option(min=0, help="requests that may wait for a place in the batch; more get 429", show_default="no limit")] = None,
     keep_alive: Annotated[float, typer.Option(parser=positive_seconds, metavar="SECONDS", help="seconds between keep-alive comments of a streamed answer that waits or prefills")] = 5.0,
@@ -386,7 +389,7 @@ def serve(
     """An HTTP server with the OpenAI and Anthropic APIs that batches concurrent requests (see "Serving")."""
     from redrafter_mlx.serving.chat_format import ChatRenderer
     from redrafter_mlx.serving.process import is_loopback, listen, stopped_by_sigterm
-    from redrafter_mlx.serving.server import run_server
+    from redrafter_mlx.serving.server import Limits, run_server
 
     given = locals()
     with checking_options():
@@ -410,7 +413,8 @@ def serve(
         redrafter.answers = answer_store(answer_store_mb)
         name = os.path.basename(model.rstrip("/")) if model else "SmolLM2-135M-Instruct"
         run_server(redrafter, tokenizer, draft, sock, name, max_batch=max_batch, max_tokens=max_tokens, max_output_tokens=max_output_tokens,
-                   cache_bytes=int(prompt_cache_mb * 2**20), max_body_bytes=max_body_bytes, prompt_log=log, api_key=key,
+                   cache_bytes=int(prompt_cache_mb * 2**20), prompt_log=log, api_key=key,
+                   limits=Limits(max_body_bytes, read_timeout, max_header_bytes, max_connections),
                    max_queue=max_queue, shutdown_timeout=shutdown_timeout, keep_alive=keep_alive, access_log=access_log,
                    announce=lambda line: print(line, file=sys.stderr, flush=True))
         ranks.end()
@@ -468,6 +472,7 @@ def distill(
     limit: Annotated[Optional[int], typer.Option(min=1, help="use only the first N prompts")] = None,
     samples: Annotated[int, typer.Option(min=1, help="sampled answers per prompt (needs --temp above 0)")] = 1,
     workers: Annotated[int, typer.Option(min=1, help="generating processes, each with one BLAS thread: 2 on a 2-core CPU, 1 on a GPU")] = 1,
+    shard_size: Annotated[int, typer.Option(min=1, help="answers per shard file: the most a run stopped part-way loses")] = 256,
     model: Model = None, dtype: Dtype = None,
     temp: Temp = None, top_p: TopP = None, top_k: TopK = None, min_p: MinP = None, repetition_penalty: RepetitionPenalty = None, seed: Seed = None,
 ):
@@ -480,7 +485,7 @@ def distill(
             raise UserError("give either --prompts FILE or --self-prompts N")
         sampling = sampling_settings(given)
     totals = distill_command(output, model, dtype_of(dtype), sampling, prompts=prompts, self_prompts=self_prompts, limit=limit,
-                             max_tokens=max_tokens, batch_size=batch_size, samples=samples, workers=workers)
+                             max_tokens=max_tokens, batch_size=batch_size, samples=samples, workers=workers, shard_size=shard_size)
     print(f"{totals['new_responses']} responses, {totals['new_tokens']} new tokens in {totals['seconds']:.0f} s; "
           f"{output} holds {totals['responses']} responses to {totals['prompts']} prompts")
 
@@ -520,7 +525,7 @@ def train(
 
 @app.command("make-drafter")
 def make_drafter(
-    output: Annotated[str, typer.Option("--output", "-o", help="drafter folder to make; its work goes beside it (plan and data in OUTPUT.make/, training's checkpoint in OUTPUT.train/), and a run resumes from it")],
+    output: Annotated[str, typer.Option("--output", "-o", help="drafter folder to make, written once it is finished; its work goes beside it, in OUTPUT.make/, and a run resumes from it")],
     prompts: Annotated[Optional[str], typer.Option(metavar="FILE", help="JSONL prompts file (a prompt log too); a chat model writes its own when none is given")] = None,
     hours: Annotated[float, typer.Option(min=0.01, help="time to spend on this machine, all stages together; sizes come from it")] = 6.0,
     held_out: Annotated[Optional[int], typer.Option(min=1, help="prompts held out of training, to measure the drafter on", show_default="5 %, at most 48")] = None,

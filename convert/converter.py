@@ -13,6 +13,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from redrafter_mlx.drafting.drafter import CONFIG_FILE, WEIGHTS_FILE, Drafter, DrafterArgs, check_compatible
+from redrafter_mlx import files
 from redrafter_mlx.errors import UserError
 from redrafter_mlx.loading.gguf import DTYPES
 
@@ -350,8 +351,10 @@ def _write(dest: Path, config: dict, weights: dict) -> int:
         mx.save_safetensors(str(tmp / WEIGHTS_FILE), weights, metadata={"format": "mlx"})
         (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
         written = sum(f.stat().st_size for f in tmp.iterdir())
+        files.sync_tree(tmp)  # on the disk before it has its name
         _check_destination(dest)  # it may have appeared meanwhile
         os.replace(tmp, dest)  # replaces an empty folder on POSIX
+        files.sync_folder(dest.parent)
         return written
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -360,6 +363,7 @@ def _write(dest: Path, config: dict, weights: dict) -> int:
                 folder.rmdir()
             except OSError:
                 pass
-        if isinstance(e, OSError):
-            raise UserError(f"cannot write {dest}: {e.strerror or e}") from None
+        if isinstance(e, (OSError, RuntimeError)):
+            needed = sum(int(v.nbytes) for v in weights.values())
+            raise files.failure(dest, e, needed, "nothing was written") from None
         raise

@@ -20,6 +20,7 @@ from typing import Optional
 
 import numpy as np
 
+from .. import files
 from ..errors import UserError
 
 FILE = "datastore.npy"
@@ -73,18 +74,13 @@ class Datastore:
     def save(self, folder) -> Path:
         """Write ``datastore.npy`` into ``folder`` and return its path: uint16
         with 65535 for a boundary when the vocabulary fits, else int32 with
-        -1. Written to a temporary file first: a failed write leaves the old
-        file as it was."""
+        -1. Written beside and renamed (``files.replacing``): a failed or
+        killed write leaves the old file as it was."""
         path = Path(folder) / FILE
         tokens = np.where(self.tokens < 0, BOUNDARY16, self.tokens).astype(np.uint16) if self.vocab_size < BOUNDARY16 else self.tokens.astype(np.int32)
-        tmp = path.with_name(path.name + ".tmp")
-        try:
-            with open(tmp, "wb") as f:
+        with files.replacing(path, tokens.nbytes + 128, "nothing was changed") as temporary:
+            with open(temporary, "wb") as f:
                 np.save(f, tokens)
-            tmp.replace(path)
-        except OSError as e:
-            tmp.unlink(missing_ok=True)
-            raise UserError(f"cannot write {path} ({e}); nothing was changed") from None
         return path
 
     def matches(self, context: list) -> tuple[np.ndarray, int]:

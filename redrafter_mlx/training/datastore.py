@@ -4,6 +4,7 @@ training holds out left out, so that a drafter is measured on them fairly."""
 
 from pathlib import Path
 
+from .. import files
 from ..drafting.datastore import Datastore
 from ..drafting.drafter import CONFIG_FILE, DrafterArgs, read_config
 from ..errors import UserError
@@ -25,6 +26,7 @@ def add_datastore(drafter: str, data: list) -> tuple[Path, int, int]:
     sequences = Sequences.concatenate([folder.load() for folder in folders])
     keep = ~held_out_sequences(sequences.prompt_index, TrainConfig().eval_fraction)
     store = Datastore.from_answers(sequences, keep, args.vocab_size)
+    files.remove_temporaries(drafter)  # what a killed run left
     path = store.save(drafter)
     refresh_card_datastore(drafter)
     return path, int((store.tokens >= 0).sum()), int(keep.sum())

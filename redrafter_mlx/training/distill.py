@@ -15,9 +15,12 @@ from, in the same order: drafter training needs exactly these, and they come
 free with generation. They are a cache: training recomputes any that are
 missing (they are too large to keep in git).
 
-Shards are written whole (to a temporary name, then renamed), so an
-interrupted run loses at most the batch in flight; running the same command
-again skips the responses already done.
+The responses are made in a fixed order (shortest prompt first) and in
+fixed chunks of ``shard_size``, one shard each, written whole (beside, then
+renamed; ``files.replacing``). A chunk is generated alone, as one set of
+batches, so its responses do not depend on what ran before it: a run killed
+at any moment loses at most the chunk in flight, and running the same
+command again writes the same shards as an uninterrupted run would.
 """
 
 import hashlib
@@ -32,6 +35,7 @@ from typing import Callable, Iterator, Optional
 
 import numpy as np
 
+from .. import files
 from ..errors import UserError
 from .self_prompts import PROMPTS_FILE
 
@@ -121,28 +125,24 @@ class DataFolder:
         failure nothing partial remains."""
         number = len(self.shards())
         final = self.path / f"shard-{number:05d}.npz"
-        temporary = self.path / f".shard-{number:05d}.tmp.npz"
-        hidden_final, hidden_temporary = hidden_path(final), self.path / f".hidden-{number:05d}.tmp.npy"
-        try:
-            if hidden is not None:
-                np.save(hidden_temporary, np.concatenate(hidden).astype(np.float16))
-                os.replace(hidden_temporary, hidden_final)
-            np.savez(
-                temporary,
-                prompt_index=np.asarray(prompt_index, np.int32),
-                sample=np.asarray(sample if sample is not None else [0] * len(prompt_index), np.int32),
-                prompt_lengths=np.asarray(prompt_lengths, np.int32),
-                lengths=np.asarray([len(s) for s in sequences], np.int32),
-                tokens=np.concatenate([np.asarray(s, np.int32) for s in sequences]),
-            )
-            os.replace(temporary, final)
-        except OSError as e:
-            temporary.unlink(missing_ok=True)
-            hidden_temporary.unlink(missing_ok=True)
-            raise UserError(
-                f"cannot write {final} ({e.strerror}); the {number} shards already written are "
-                "intact: free space and run the same command again to resume"
-            ) from None
+        keeps = f"the {number} shards already written are intact: free space and run the same command again to resume"
+        arrays = dict(
+            prompt_index=np.asarray(prompt_index, np.int32),
+            sample=np.asarray(sample if sample is not None else [0] * len(prompt_index), np.int32),
+            prompt_lengths=np.asarray(prompt_lengths, np.int32),
+            lengths=np.asarray([len(s) for s in sequences], np.int32),
+            tokens=np.concatenate([np.asarray(s, np.int32) for s in sequences]),
+        )
+        # The hidden states first: a shard is only counted once it exists,
+        # and a hidden file without its shard is written again with it.
+        if hidden is not None:
+            states = np.concatenate(hidden).astype(np.float16)
+            with files.replacing(hidden_path(final), states.nbytes, keeps) as temporary:
+                with open(temporary, "wb") as f:
+                    np.save(f, states)
+        with files.replacing(final, sum(a.nbytes for a in arrays.values()), keeps) as temporary:
+            with open(temporary, "wb") as f:
+                np.savez(f, **arrays)
         return final
 
 
@@ -167,7 +167,7 @@ def check_resumable(folder: DataFolder, settings: dict) -> None:
     anything is written to it."""
     existing = folder.meta
     if existing is None:
-        if folder.path.exists() and any(p.name != PROMPTS_FILE for p in folder.path.iterdir()):
+        if folder.path.exists() and any(p.name != PROMPTS_FILE and not files.is_temporary(p) for p in folder.path.iterdir()):
             raise UserError(f"output folder {folder.path} exists and is not a distillation data folder")
         return
     differences = [k for k in settings if existing.get(k) != settings[k]]
@@ -183,8 +183,8 @@ def prepare_folder(folder: DataFolder, prompts: list[str], settings: dict) -> No
     settings = dict(settings, format=FORMAT_VERSION, num_prompts=len(prompts), prompts_digest=_prompts_digest(prompts))
     check_resumable(folder, settings)
     if folder.meta is None:
-        folder.path.mkdir(parents=True, exist_ok=True)
-        (folder.path / META_FILE).write_text(json.dumps(settings, indent=2) + "\n")
+        files.write_text(folder.path / META_FILE, json.dumps(settings, indent=2) + "\n")
+    files.remove_temporaries(folder.path)
 
 
 def sample_seed(seed: int, sample: int) -> int:
@@ -330,10 +330,13 @@ def distill(
     """Generate ``samples`` responses for every prompt (more than one only
     when sampling), skipping those already in ``folder``.
 
-    Prompts run shortest first (little left padding), ``batch_size`` at a
-    time; ``generate(token lists, batch_size, sample numbers)`` yields ``(index, response,
-    hidden or None)`` as each finishes. A shard is written every
-    ``shard_size`` finished responses. Returns totals.
+    The responses run in one fixed order, shortest prompt first (little left
+    padding), in chunks of ``shard_size``: ``generate(token lists,
+    batch_size, sample numbers)`` answers one chunk, ``batch_size`` rows at a
+    time, yielding ``(index in the chunk, response, hidden or None)`` as each
+    finishes, and the chunk is written as one shard, in that fixed order. A
+    chunk is generated alone, so a resumed run's shards are the ones an
+    uninterrupted run writes. Returns totals.
     """
     from tqdm import tqdm
 
@@ -341,37 +344,34 @@ def distill(
         settings = dict(settings, samples=samples)
     prepare_folder(folder, prompts, dict(settings, vocab_size=base.vocab_size, hidden_size=base.hidden_size))
     done = folder.done()
-    todo = [(i, k) for i in range(len(prompts)) for k in range(samples) if (i, k) not in done]
-    tokenized = {i: tokenize(prompts[i]) for i, _ in todo}
-    too_long = [i for i in tokenized if base.max_context and len(tokenized[i]) >= base.max_context]
+    tokenized = [tokenize(prompt) for prompt in prompts]
+    too_long = [i for i, tokens in enumerate(tokenized) if base.max_context and len(tokens) >= base.max_context]
     if too_long:
         raise UserError(f"prompt on line {too_long[0] + 1} does not fit the model's context")
-    foreign = [i for i in tokenized if any(t >= base.vocab_size for t in tokenized[i])]
+    foreign = [i for i, tokens in enumerate(tokenized) if any(t >= base.vocab_size for t in tokens)]
     if foreign:
         raise UserError(f"prompt on line {foreign[0] + 1} holds token ids outside the model's vocabulary ({base.vocab_size})")
-    order = sorted(todo, key=lambda unit: len(tokenized[unit[0]]))
-    bar = tqdm(total=len(prompts) * samples, initial=len(prompts) * samples - len(todo), unit="response", disable=not progress, dynamic_ncols=True)
-    new_tokens, start, pending = 0, time.perf_counter(), []
-
-    def flush():
-        if pending:
-            units, responses, hidden = zip(*pending)
-            indices = [i for i, _ in units]
-            sequences = [tokenized[i] + r for i, r in zip(indices, responses)]
-            folder.write_shard(indices, [len(tokenized[i]) for i in indices], sequences, list(hidden), [k for _, k in units])
-            pending.clear()
-
-    if order:
-        for local, response, hidden in generate([tokenized[i] for i, _ in order], batch_size, [k for _, k in order]):
-            pending.append((order[local], response, hidden))
+    order = sorted(((i, k) for i in range(len(prompts)) for k in range(samples)), key=lambda unit: (len(tokenized[unit[0]]), unit))
+    chunks = [order[start : start + shard_size] for start in range(0, len(order), shard_size)]
+    # Whole chunks are skipped; a folder written before chunks were fixed
+    # may hold part of one, and only its missing responses are made.
+    chunks = [[unit for unit in chunk if unit not in done] for chunk in chunks]
+    left = sum(len(chunk) for chunk in chunks)
+    bar = tqdm(total=len(order), initial=len(order) - left, unit="response", disable=not progress, dynamic_ncols=True)
+    new_tokens, start = 0, time.perf_counter()
+    for chunk in filter(None, chunks):
+        answers = {}
+        for local, response, hidden in generate([tokenized[i] for i, _ in chunk], batch_size, [k for _, k in chunk]):
+            answers[local] = (response, hidden)
             new_tokens += len(response)
             bar.update(1)
             bar.set_postfix_str(f"{new_tokens / (time.perf_counter() - start):.0f} tokens/s")
-            if len(pending) >= shard_size:
-                flush()
-        flush()
+        responses, hidden = zip(*(answers[local] for local in range(len(chunk))))
+        indices = [i for i, _ in chunk]
+        folder.write_shard(indices, [len(tokenized[i]) for i in indices], [tokenized[i] + r for i, r in zip(indices, responses)],
+                           list(hidden), [k for _, k in chunk])
     bar.close()
-    return {"prompts": len(prompts), "responses": len(prompts) * samples, "new_responses": len(todo), "new_tokens": new_tokens, "seconds": time.perf_counter() - start}
+    return {"prompts": len(prompts), "responses": len(order), "new_responses": left, "new_tokens": new_tokens, "seconds": time.perf_counter() - start}
 
 
 def distill_command(
@@ -387,6 +387,7 @@ def distill_command(
     batch_size: int = 64,
     samples: int = 1,
     workers: int = 1,
+    shard_size: int = 256,
 ) -> dict:
     """``redrafter-mlx distill``: answer a prompts file (its first ``limit``
     prompts), or ``self_prompts`` prompts the model writes itself, into the
@@ -419,4 +420,4 @@ def distill_command(
         generate = parallel_stream((model, dtype), max_tokens, sampling, tokenizer.eos_token_ids, workers)
     else:
         generate = response_stream(base, max_tokens, sampling, tokenizer.eos_token_ids)
-    return distill(base, lambda text: encode_prompt(tokenizer, text), texts, folder, settings, generate, batch_size, samples)
+    return distill(base, lambda text: encode_prompt(tokenizer, text), texts, folder, settings, generate, batch_size, samples, shard_size)

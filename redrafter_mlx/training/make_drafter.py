@@ -23,12 +23,16 @@ The recipe, the same for every model (what differs comes from the model):
 6. **measure** the speed against plain decoding on the held-out prompts,
    alternating, at each planned temperature, into the model card.
 
-Everything but the drafter lives beside it: the plan, the prompts and the
-distilled data in the work folder ``OUTPUT.make/``, training's checkpoint
-in ``OUTPUT.train/`` (``train``'s own), so that ``OUTPUT`` ends up holding
-the drafter alone, uploadable as it is. A finished stage is recorded in
-``done.json`` (with its wall and CPU time) and skipped when the command
-runs again.
+Everything but the drafter lives beside it, in the work folder
+``OUTPUT.make/``: the plan, the prompts, the distilled data, and the
+drafter as it is made (``drafter/``, with training's checkpoint in
+``drafter.train/``). The finished drafter is moved into ``OUTPUT`` last, so
+``OUTPUT`` holds the drafter alone, uploadable as it is, and a run killed
+at any moment leaves no ``OUTPUT`` that loads. A finished stage is recorded
+in ``done.json`` (with its wall and CPU time) and skipped when the command
+runs again; every file is written beside and renamed (``files``), so a
+stage killed part-way resumes from its last whole file and ends as an
+uninterrupted run does.
 """
 
 import json
@@ -38,14 +42,15 @@ import resource
 import shutil
 import statistics
 import time
-from dataclasses import asdict
 from pathlib import Path
 from typing import Callable, Optional
 
+from .. import files
 from ..errors import UserError
 
 WORK_SUFFIX = ".make"
 PLAN_FILE, DONE_FILE = "plan.json", "done.json"
+DRAFTER_DIR = "drafter"  # in the work folder: the drafter as it is made
 TRAIN_PROMPTS, HELD_OUT_PROMPTS = "train-prompts.jsonl", "held-out-prompts.jsonl"
 SHARES = {"distill": 0.55, "train": 0.3, "measure": 0.15}  # of the hours, per kind of stage
 MAX_DRAFT_VOCAB = 16384
@@ -120,9 +125,7 @@ class Stages:
         result["seconds"] = round(time.time() - tic)
         result["cpu_seconds"] = round(cpu_seconds() - cpu)
         self.done[name] = result
-        tmp = self.done_path.with_name(f".{DONE_FILE}.tmp")
-        tmp.write_text(json.dumps(self.done, indent=1) + "\n")
-        os.replace(tmp, self.done_path)
+        files.write_json(self.done_path, self.done, "the stages done before are kept: free space and run the same command again")
         return result
 
 
@@ -334,10 +337,7 @@ def load_or_make_plan(output: str, model: Optional[str], say=print, plan_file: O
         plan = explicit_plan(plan_file, model, options.get("dtype"))
     else:
         plan = make_plan(model, options.pop("dtype", None), output, options.pop("prompts", None), options.pop("hours"), say=say, **options)
-    work.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{PLAN_FILE}.tmp")
-    tmp.write_text(json.dumps(plan, indent=1) + "\n")
-    os.replace(tmp, path)
+    files.write_json(path, plan)
     return plan
 
 
@@ -354,7 +354,7 @@ def write_prompt_split(plan: dict, work: Path) -> None:
         for i in indices:
             text = texts[i]
             lines.append(json.dumps({"prompt": text} if isinstance(text, str) else {"messages": text} if isinstance(text[0], dict) else {"tokens": text}))
-        (work / name).write_text("\n".join(lines) + "\n")
+        files.write_text(work / name, "\n".join(lines) + "\n")
 
     write(HELD_OUT_PROMPTS, plan["held_out_prompts"])
     write(TRAIN_PROMPTS, plan["train_prompts"])
@@ -379,7 +379,7 @@ def run_prompts(run: dict, work: Path, tokenizer=None) -> str:
         texts = read_prompts(run["prompts"])
         order = sorted(range(len(texts)), key=lambda i: (len(encode_prompt(tokenizer, texts[i])), i))[: run["shortest"]]
         lines = [json.dumps({"prompt": texts[i]} if isinstance(texts[i], str) else {"messages": texts[i]}) for i in sorted(order)]
-        path.write_text("\n".join(lines) + "\n")
+        files.write_text(path, "\n".join(lines) + "\n")
     return str(path)
 
 
@@ -392,7 +392,7 @@ def make_drafter(output: str, model: Optional[str] = None, *, say=print, workers
     from ..engine.sampling import SamplingSettings
     from .datastore import add_datastore
     from .distill import distill_command
-    from .train import MODEL_CARD_FILE, TrainConfig, model_card, train_drafter
+    from .train import MODEL_CARD_FILE, TrainConfig, model_card, publish, train_drafter
 
     command = options.pop("command", None)
     plan = load_or_make_plan(output, model, say=say, **options)
@@ -435,6 +435,7 @@ def make_drafter(output: str, model: Optional[str] = None, *, say=print, workers
             return {"responses": totals["responses"], "tokens": totals["new_tokens"]}
         stages.run(run["name"], estimates.get(run["name"], 0.0), distil)
     config = TrainConfig(**{k: v for k, v in plan["train"].items() if k in TrainConfig.__dataclass_fields__})
+    staged = str(adopt_old_layout(output, work, stages.done))
 
     def train():
         from .distill import DataFolder
@@ -443,30 +444,57 @@ def make_drafter(output: str, model: Optional[str] = None, *, say=print, workers
         # A batch never larger than half the positions there are (a tiny run's).
         positions = sum(int(cached_positions(DataFolder(f).load()).sum()) for f in folders)
         config.batch_size = max(1, min(config.batch_size, positions // 2))
-        result = train_drafter(folders, output, config, model, dtype, resumed=lambda step: say(f"resuming training from step {step}"))
+        result = train_drafter(folders, staged, config, model, dtype, resumed=lambda step: say(f"resuming training from step {step}"))
         return {"held_out": {k: v for k, v in result.items() if k != "step"}}
     stages.run("train", estimates["train"], train)
-    stages.run("datastore", estimates["datastore"], lambda: dict(zip(("path", "tokens", "answers"), map(str, add_datastore(output, stored)))))
+    stages.run("datastore", estimates["datastore"], lambda: dict(zip(("path", "tokens", "answers"), map(str, add_datastore(staged, stored)))))
 
     def compact():
         # Written beside, then moved in: a run killed here keeps a whole drafter.
-        drafter = load_drafter(output)
+        drafter = load_drafter(staged)
         drafter.set_dtype(mx.float16)  # floating arrays only: token ids stay int32
-        config_json = read_config(Path(output) / CONFIG_FILE)
+        config_json = read_config(Path(staged) / CONFIG_FILE)
         extra = {k: v for k, v in config_json.items() if k not in drafter.args.to_config()}
-        staged = work / "compact"
-        save_drafter(drafter, str(staged), extra)
+        compacted = work / "compact"
+        save_drafter(drafter, str(compacted), extra)
         for name in (WEIGHTS_FILE, CONFIG_FILE):
-            os.replace(staged / name, Path(output) / name)
-        return {"bytes": (Path(output) / WEIGHTS_FILE).stat().st_size}
+            os.replace(compacted / name, Path(staged) / name)
+        return {"bytes": (Path(staged) / WEIGHTS_FILE).stat().st_size}
     stages.run("compact", estimates["compact"], compact)
 
     def measure():
-        return measure_speed(output, model, dtype, Path(plan["measure"].get("prompts_file") or work / HELD_OUT_PROMPTS), plan, work, say)
+        return measure_speed(staged, model, dtype, Path(plan["measure"].get("prompts_file") or work / HELD_OUT_PROMPTS), plan, work, say)
     figures = stages.run("measure", estimates["measure"], measure)
-    record_in_card(output, plan, stages.done, command)
-    (Path(output) / MODEL_CARD_FILE).write_text(model_card(output))
+
+    def card():
+        record_in_card(staged, plan, stages.done, command)
+        name = Path(os.path.abspath(output)).name
+        files.write_text(Path(staged) / MODEL_CARD_FILE, model_card(staged, name, f"{name}{WORK_SUFFIX}/"))
+    stages.run("card", 0.0, card)
+    if Path(staged).is_dir():
+        publish(Path(staged), Path(output))
     return figures
+
+
+def adopt_old_layout(output: str, work: Path, done: dict) -> Path:
+    """The folder the drafter is made in: ``OUTPUT.make/drafter``, moved
+    into ``OUTPUT`` only once it is finished (``train.publish``), so that a
+    run killed at any moment leaves no ``OUTPUT`` that loads as a drafter.
+    A run begun when training wrote into ``OUTPUT`` itself has its drafter
+    and its training state moved there first."""
+    from ..drafting.drafter import CONFIG_FILE
+    from .train import training_state_folder
+
+    staged = work / DRAFTER_DIR
+    out = Path(output)
+    if not staged.exists() and "card" not in done and (out / CONFIG_FILE).exists():
+        staged.mkdir(parents=True)
+        for path in out.iterdir():
+            path.rename(staged / path.name)
+    old_state, state = training_state_folder(output), training_state_folder(staged)
+    if old_state.is_dir() and not state.exists():
+        old_state.rename(state)
+    return staged
 
 
 def measure_speed(output: str, model: Optional[str], dtype: Optional[str], held_out: Path, plan: dict, work: Path, say) -> dict:
@@ -498,7 +526,7 @@ def measure_speed(output: str, model: Optional[str], dtype: Optional[str], held_
         figures[f"temp {temp:g}"] = {name: {k: s[k] for k in ("speedup_median", "speedup_min", "speedup_max", "tokens_per_step", "nodes_per_step",
                                                                "baseline_tps", "redrafter_tps", "mismatches")}
                                      for name, s in summary.items()}
-        kept.write_text(json.dumps(figures[f"temp {temp:g}"]) + "\n")
+        files.write_text(kept, json.dumps(figures[f"temp {temp:g}"]) + "\n")
         say(f"temperature {temp:g}: " + ", ".join(f"{name} {s['speedup_median']:.2f}x ({s['tokens_per_step']:.2f} tokens/step)"
                                                   for name, s in summary.items()))
     figures["prompts"] = len(prompts)
@@ -531,4 +559,4 @@ def record_in_card(output: str, plan: dict, done: dict, command: Optional[str]) 
         "hours": round(sum(result.get("seconds", 0) for result in done.values()) / 3600, 2),
         "held_out_speed": done.get("measure", {}),
     }
-    path.write_text(json.dumps(config, indent=2) + "\n")
+    files.write_text(path, json.dumps(config, indent=2) + "\n")

@@ -11,10 +11,10 @@ with the same prompts.
 """
 
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from .. import files
 from ..errors import UserError
 
 PROMPTS_FILE = "self-prompts.jsonl"  # beside the shards of a data folder
@@ -59,14 +59,8 @@ def read_self_prompts(path: Path) -> list[dict]:
 
 
 def _write_records(path: Path, records: list[dict]) -> None:
-    temporary = path.with_name(f".{path.name}.tmp")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        temporary.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
-        os.replace(temporary, path)
-    except OSError as e:
-        temporary.unlink(missing_ok=True)
-        raise UserError(f"cannot write {path} ({e.strerror}); free space and run the same command again to resume") from None
+    files.write_text(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records),
+                     "the prompts written before are kept: free space and run the same command again to resume")
 
 
 def write_self_prompts(

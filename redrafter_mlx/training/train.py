@@ -40,6 +40,7 @@ it out (``move_old_training_state``).
 import json
 import math
 import os
+import shutil
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -55,6 +56,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from ..drafting.datastore import BOUNDARY16
 from ..drafting.datastore import FILE as DATASTORE_FILE
 from ..drafting.drafter import CONFIG_FILE, WEIGHTS_FILE, Drafter, DrafterArgs, load_drafter, read_config, save_drafter
+from .. import files
 from ..errors import UserError
 from ..loading.loader import MODEL_CARD_FILE, is_hub_id
 from .distill import DataFolder, Sequences, data_folders, hidden_path
@@ -68,7 +70,8 @@ LOG_FILE = "train_log.jsonl"
 STATE_SUFFIX = ".train"  # OUTPUT.train/ beside the drafter folder OUTPUT/ holds the training state
 # What the training state folder may hold: the checkpoint (and the
 # temporary names save_checkpoint renames through) and the log.
-STATE_NAMES = {CHECKPOINT_DIR, CHECKPOINT_DIR + ".tmp", CHECKPOINT_DIR + ".old", LOG_FILE}
+EXPORT_DIR = "export"  # where the finished drafter is made before it is moved into the output folder
+STATE_NAMES = {CHECKPOINT_DIR, CHECKPOINT_DIR + ".tmp", CHECKPOINT_DIR + ".old", EXPORT_DIR, LOG_FILE}
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # the embedded default model (load_base_model(None))
 
 
@@ -178,14 +181,17 @@ def compute_hidden_cache(base, folder: DataFolder, sequences: Sequences, batch_t
     path, identity_path = folder.path / HIDDEN_FILE, folder.path / HIDDEN_INDEX
     identity = [[shard.name, size] for shard, size in zip(shards, sizes)]
     if not (path.exists() and identity_path.exists() and json.loads(identity_path.read_text()) == identity):
-        cache = np.lib.format.open_memmap(path, mode="w+", dtype=np.float16, shape=(sum(sizes), base.hidden_size))
-        start = 0
-        for shard, size in zip(shards, sizes):
-            cache[start : start + size] = np.load(hidden_path(shard))
-            start += size
-        cache.flush()
-        del cache
-        identity_path.write_text(json.dumps(identity))
+        # Written front to back (a memory map of a file on a full disk
+        # would crash the process when a page is written), then named.
+        files.remove(identity_path)
+        shape = (sum(sizes), base.hidden_size)
+        keeps = "the distilled data is intact: free space and run the same command again"
+        with files.replacing(path, 2 * shape[0] * shape[1] + 128, keeps) as temporary:
+            with open(temporary, "wb") as f:
+                np.lib.format.write_array_header_1_0(f, {"descr": np.dtype(np.float16).str, "fortran_order": False, "shape": shape})
+                for shard in shards:
+                    f.write(np.ascontiguousarray(np.load(hidden_path(shard)), np.float16).tobytes())
+        files.write_text(identity_path, json.dumps(identity), keeps)
     return np.lib.format.open_memmap(path, mode="r")
 
 
@@ -196,9 +202,10 @@ def _shard_hidden(base, shard: Path, batch_tokens: int) -> None:
     target = hidden_path(shard)
     if target.exists() and np.load(target, mmap_mode="r").shape == (int((lengths - prompt_lengths).sum()), base.hidden_size):
         return
-    temporary = target.with_name("." + target.name + ".tmp.npy")
-    np.save(temporary, response_hidden(base, prompt_lengths, lengths, tokens, batch_tokens))
-    os.replace(temporary, target)
+    states = response_hidden(base, prompt_lengths, lengths, tokens, batch_tokens)
+    with files.replacing(target, states.nbytes, "the hidden states of earlier shards are kept: free space and run again") as temporary:
+        with open(temporary, "wb") as f:
+            np.save(f, states)
 
 
 def response_hidden(base, prompt_lengths: np.ndarray, lengths: np.ndarray, tokens: np.ndarray, batch_tokens: int = 8192) -> np.ndarray:
@@ -387,7 +394,7 @@ class Trainer:
         )
         self.optimizer = optim.AdamW(learning_rate=schedule, weight_decay=config.weight_decay)
         self.optimizer.init(self.drafter.trainable_parameters())
-        self.step = 0
+        self.step = self._saved_step = 0
         self.head_frozen = False
         self._set_head_frozen(config.freeze_head_steps > 0)
         self.embed = lambda t: mx.stop_gradient(base.embed(t))
@@ -474,25 +481,40 @@ class Trainer:
         return self.state_folder / CHECKPOINT_DIR
 
     def save_checkpoint(self) -> None:
-        """Weights, optimizer state and step, written to a temporary folder
-        and renamed into place, so an interruption never leaves a broken one."""
+        """Weights, optimizer state and step, written to a temporary folder,
+        flushed, and renamed into place; the one before is moved aside
+        first and removed last. Killed at any moment, the state folder
+        holds a whole checkpoint under one of the two names
+        (``recover_checkpoint``); on a full disk the last one is kept."""
         final = self.checkpoint_folder
         temporary = self.state_folder / (CHECKPOINT_DIR + ".tmp")
-        save_drafter(self.drafter, str(temporary))
-        mx.save_safetensors(str(temporary / OPTIMIZER_FILE), dict(tree_flatten(self.optimizer.state)))
-        (temporary / STATE_FILE).write_text(json.dumps({"step": self.step, "config": asdict(self.config)}, indent=2))
         old = self.state_folder / (CHECKPOINT_DIR + ".old")
+        files.remove(temporary)
+        optimizer = dict(tree_flatten(self.optimizer.state))
+        needed = sum(v.nbytes for _, v in tree_flatten(self.drafter.parameters())) + sum(v.nbytes for v in optimizer.values())
+        keeps = f"the checkpoint of step {self._saved_step} is kept: free space and run the same command again to resume"
+        try:
+            save_drafter(self.drafter, str(temporary))
+            mx.save_safetensors(str(temporary / OPTIMIZER_FILE), optimizer)
+            (temporary / STATE_FILE).write_text(json.dumps({"step": self.step, "config": asdict(self.config)}, indent=2))
+            files.sync_tree(temporary)
+        except (OSError, RuntimeError) as e:
+            files.remove(temporary)
+            raise files.failure(final, e, needed, keeps) from None
         if final.exists():
+            files.remove(old)
             final.rename(old)
         temporary.rename(final)
-        if old.exists():
-            _remove_tree(old)
+        files.sync_folder(self.state_folder)
+        files.remove(old)
+        self._saved_step = self.step
 
     def load_checkpoint(self) -> bool:
         """Resume from the checkpoint in the training state folder, if there
         is one (False when there is none); a checkpoint saved with other
         settings is refused. Training goes on in the checkpoint's draft
         vocabulary, whatever the data given now would rank."""
+        recover_checkpoint(self.state_folder)
         folder = self.checkpoint_folder
         if not (folder / STATE_FILE).exists():
             return False
@@ -510,7 +532,7 @@ class Trainer:
             # since may rank tokens otherwise, but targets must index those rows.
             self.to_draft = draft_index_map(self.base.vocab_size, np.array(loaded.draft_token_ids))
         self.optimizer.state = tree_unflatten(list(mx.load(str(folder / OPTIMIZER_FILE)).items()))
-        self.step = state["step"]
+        self.step = self._saved_step = state["step"]
         mx.eval(self.drafter.parameters(), self.optimizer.state)
         return True
 
@@ -518,15 +540,50 @@ class Trainer:
         """Write the final drafter into the output folder, with its model
         card (made from ``extra_config``: the base model, the training
         settings, data and results). A datastore already in the folder
-        stays, and the card describes it."""
-        save_drafter(self.drafter, str(self.output), extra_config)
-        (self.output / MODEL_CARD_FILE).write_text(model_card(self.output))
+        stays, and the card describes it. The drafter is made in the
+        training state folder and moved in file by file, ``config.json``
+        last: a folder without it never loads as a drafter, so a run killed
+        here leaves none that does."""
+        staged = self.state_folder / EXPORT_DIR
+        files.remove(staged)
+        keeps = "the training checkpoint is kept: free space and run the same command again to finish"
+        try:
+            save_drafter(self.drafter, str(staged), extra_config)
+            if (self.output / DATASTORE_FILE).exists():  # the card describes the datastore the folder holds
+                try:
+                    os.link(self.output / DATASTORE_FILE, staged / DATASTORE_FILE)
+                except OSError:  # a file system without hard links
+                    shutil.copyfile(self.output / DATASTORE_FILE, staged / DATASTORE_FILE)
+            (staged / MODEL_CARD_FILE).write_text(model_card(staged, self.output.name))
+            files.sync_tree(staged)
+        except (OSError, RuntimeError) as e:
+            files.remove(staged)
+            raise files.failure(self.output / WEIGHTS_FILE, e, None, keeps) from None
+        publish(staged, self.output)
 
 
-def _remove_tree(path: Path) -> None:
-    for child in path.iterdir():
-        child.unlink()
-    path.rmdir()
+def recover_checkpoint(state: Path) -> None:
+    """Put back the checkpoint that a run killed while saving the next one
+    left moved aside (``Trainer.save_checkpoint``), and remove what it left
+    half-written."""
+    final, old = state / CHECKPOINT_DIR, state / (CHECKPOINT_DIR + ".old")
+    if not (final / STATE_FILE).exists() and (old / STATE_FILE).exists():
+        files.remove(final)
+        old.rename(final)
+    files.remove(old)
+    files.remove(state / (CHECKPOINT_DIR + ".tmp"))
+
+
+def publish(staged: Path, output: Path) -> None:
+    """Move a drafter made in ``staged`` into the folder ``output`` (made if
+    missing), each file by one rename, ``config.json`` last (the loader
+    needs it), and remove ``staged``. Both are on one file system."""
+    output.mkdir(parents=True, exist_ok=True)
+    names = sorted(p.name for p in staged.iterdir() if p.name != CONFIG_FILE) + [CONFIG_FILE]
+    for name in names:
+        os.replace(staged / name, output / name)
+    files.sync_folder(output)
+    files.remove(staged)
 
 
 def train(trainer: Trainer, progress: bool = True, log: Optional[Callable[[dict], None]] = None) -> dict:
@@ -572,6 +629,8 @@ def train_drafter(data: list, output: str, config: TrainConfig, model: Optional[
     if out.exists() and not out.is_dir():
         raise UserError(f"output {output} is a file, not a folder")
     check_training_state_folder(state)
+    if state.is_dir():
+        recover_checkpoint(state)
     if (out / CHECKPOINT_DIR).is_dir():
         move_old_training_state(out, state)
     if out.exists() and any(not p.name.startswith(".") for p in out.iterdir()) and not (state / CHECKPOINT_DIR).is_dir():
@@ -593,6 +652,7 @@ def train_drafter(data: list, output: str, config: TrainConfig, model: Optional[
     trainer = Trainer(base, positions, hidden, config, output, vocab)
     if trainer.load_checkpoint() and resumed is not None:
         resumed(trainer.step)
+    keep_log_until(state / LOG_FILE, trainer.step)
     started = time.time()
     with open(state / LOG_FILE, "a") as log:
         result = train(trainer, log=lambda record: log.write(json.dumps(record) + "\n"))
@@ -609,6 +669,23 @@ def train_drafter(data: list, output: str, config: TrainConfig, model: Optional[
 
 
 # -- the output folder and its model card -------------------------------------
+
+
+def keep_log_until(path: Path, step: int) -> None:
+    """Drop the log's records of steps after ``step``, the checkpoint a run
+    resumes from: a killed run logged steps it trains again, and its last
+    line may be cut short."""
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict) and record.get("step", 0) <= step:
+            kept.append(line + "\n")
+    files.write_text(path, "".join(kept))
 
 
 def training_state_folder(output) -> Path:
@@ -691,7 +768,7 @@ def refresh_card_datastore(folder) -> bool:
     for i in rows:
         lines[i] = f"{DATASTORE_ROW} {datastore_summary(folder)} |"
     if rows:
-        card.write_text("\n".join(lines))
+        files.write_text(card, "\n".join(lines))
     return bool(rows)
 
 
@@ -714,14 +791,18 @@ def _table(rows: list) -> str:
     return "\n".join(["| setting | value |", "|---|---|"] + [f"| {name} | {value} |" for name, value in rows])
 
 
-def model_card(folder) -> str:
+def model_card(folder, folder_name: Optional[str] = None, beside: Optional[str] = None) -> str:
     """The model card (``README.md``) of a drafter folder, made from its
     ``config.json`` (the base model's name and identity, the training
     settings, data and held-out results that ``train`` puts there) and its
-    files. The YAML front matter is what the Hugging Face Hub reads:
-    library, tags and, when the base model was given as a Hub id, the base
-    model, which links the drafter to it."""
+    files. ``folder_name``: its name once it is moved into place (its own
+    name by default); ``beside``: the folder that keeps what made it
+    (``NAME.train/``). The YAML front matter is what the Hugging Face Hub
+    reads: library, tags and, when the base model was given as a Hub id,
+    the base model, which links the drafter to it."""
     folder = Path(folder)
+    folder_name = folder_name or folder.name
+    beside = beside or f"{folder_name}{STATE_SUFFIX}/"
     config = read_config(folder / CONFIG_FILE)
     args = DrafterArgs.from_dict(config)
     base = config.get("base_model") if isinstance(config.get("base_model"), dict) else {}
@@ -779,10 +860,10 @@ def model_card(folder) -> str:
         "",
         f"`{CONFIG_FILE}` (the drafter's shape, its base model, the training settings), `{WEIGHTS_FILE}`,",
         f"`{DATASTORE_FILE}` when there is a datastore, and this card. The folder is the whole drafter: upload it as",
-        f"it is (the training checkpoint and log are kept beside it, in `{folder.name}{STATE_SUFFIX}/`, and are not needed):",
+        f"it is (the training checkpoint and log are kept beside it, in `{beside}`, and are not needed):",
         "",
         "```bash",
-        f"hf upload OWNER/NAME {folder.name}",
+        f"hf upload OWNER/NAME {folder_name}",
         "```",
         "",
     ]

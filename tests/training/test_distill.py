@@ -7,7 +7,7 @@ import pytest
 from conftest import ROOT, tiny_model
 
 from redrafter_mlx.engine.base_model import BaseModel
-from redrafter_mlx.training.distill import DataFolder, distill, response_stream
+from redrafter_mlx.training.distill import DataFolder, distill, hidden_path, response_stream
 from redrafter_mlx.engine.sampling import SamplingSettings
 from redrafter_mlx.errors import UserError
 
@@ -33,15 +33,28 @@ def run(base, folder, prompts=PROMPTS, batch_size=3, generate=None, samples=1):
 
 
 def interrupted_after(finished, generate):
-    """``generate`` stopped by Ctrl-C once ``finished`` responses are out."""
+    """``generate`` stopped by Ctrl-C once ``finished`` responses are out
+    (over all its calls: one per chunk)."""
+    count = [0]
 
     def interrupted(prompts, batch_size, samples):
-        for count, result in enumerate(generate(prompts, batch_size, samples)):
-            if count == finished:
+        for result in generate(prompts, batch_size, samples):
+            if count[0] == finished:
                 raise KeyboardInterrupt
+            count[0] += 1
             yield result
 
     return interrupted
+
+
+def folder_contents(folder):
+    """Every array of every shard and hidden-state file, by file name."""
+    contents = {}
+    for shard in DataFolder(folder).shards():
+        with np.load(shard) as data:
+            contents[shard.name] = {k: data[k].tolist() for k in data.files}
+        contents[shard.name]["hidden"] = np.load(hidden_path(shard)).tobytes()
+    return contents
 
 
 def sequences_by_prompt(folder):
@@ -82,11 +95,12 @@ def test_interrupted_run_resumes_without_redoing_prompts(base, tmp_path):
 
     with pytest.raises(KeyboardInterrupt):
         run(base, tmp_path / "d", generate=interrupted_after(4, generate))
-    assert len(DataFolder(tmp_path / "d").shards()) == 1  # 3 of the 4 finished were flushed
+    assert len(DataFolder(tmp_path / "d").shards()) == 1  # the first chunk of 3 was written, the second was cut
     totals = run(base, tmp_path / "d")
     assert totals["new_responses"] == len(PROMPTS) - 3
     run(base, tmp_path / "full")
     assert sequences_by_prompt(tmp_path / "d") == sequences_by_prompt(tmp_path / "full")
+    assert folder_contents(tmp_path / "d") == folder_contents(tmp_path / "full")  # the same shards, state for state
 
 
 def test_several_sampled_responses_per_prompt_resume_and_are_reproducible(base, tmp_path):
@@ -128,10 +142,10 @@ def test_out_of_disk_keeps_written_shards(base, tmp_path, monkeypatch):
 
     monkeypatch.setattr(np, "savez", no_space)
     folder = DataFolder(tmp_path / "d")
-    with pytest.raises(UserError, match="No space left on device.*intact"):
+    with pytest.raises(UserError, match="shard-00001.npz.*disk is full.*intact"):
         folder.write_shard([5], [3], [[1, 2, 3, 4]])
     assert sequences_by_prompt(tmp_path / "d") == before
-    assert not list((tmp_path / "d").glob(".*tmp*"))
+    assert not list((tmp_path / "d").glob(".*partial*"))
 
 
 def test_folder_for_another_model_or_other_settings_is_refused(base, tmp_path):
