@@ -61,10 +61,10 @@ def failure(path: Path, error: BaseException, needed: Optional[int] = None, keep
     intact, and how to go on (say, "run the same command again to resume")."""
     reason = getattr(error, "strerror", None) or str(error)
     free, text = free_bytes(path.parent), str(error).lower()
-    # MLX's writers say only that they could not write: a write that needs
-    # more than is free is taken for a full disk.
+    # Some writers (MLX's, NumPy's) say only that a write fell short: one
+    # that needs more than is free is taken for a full disk.
     full = (getattr(error, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or "no space" in text
-            or ("unable to write" in text and needed is not None and needed > free))
+            or (needed is not None and needed > free))
     if full:
         reason = "the disk is full"
         if needed is not None:

@@ -357,20 +357,20 @@ def distill(
     # may hold part of one, and only its missing responses are made.
     chunks = [[unit for unit in chunk if unit not in done] for chunk in chunks]
     left = sum(len(chunk) for chunk in chunks)
-    bar = tqdm(total=len(order), initial=len(order) - left, unit="response", disable=not progress, dynamic_ncols=True)
     new_tokens, start = 0, time.perf_counter()
-    for chunk in filter(None, chunks):
-        answers = {}
-        for local, response, hidden in generate([tokenized[i] for i, _ in chunk], batch_size, [k for _, k in chunk]):
-            answers[local] = (response, hidden)
-            new_tokens += len(response)
-            bar.update(1)
-            bar.set_postfix_str(f"{new_tokens / (time.perf_counter() - start):.0f} tokens/s")
-        responses, hidden = zip(*(answers[local] for local in range(len(chunk))))
-        indices = [i for i, _ in chunk]
-        folder.write_shard(indices, [len(tokenized[i]) for i in indices], [tokenized[i] + r for i, r in zip(indices, responses)],
-                           list(hidden), [k for _, k in chunk])
-    bar.close()
+    # The bar is closed on any error too, so that the error has a line of its own.
+    with tqdm(total=len(order), initial=len(order) - left, unit="response", disable=not progress, dynamic_ncols=True) as bar:
+        for chunk in filter(None, chunks):
+            answers = {}
+            for local, response, hidden in generate([tokenized[i] for i, _ in chunk], batch_size, [k for _, k in chunk]):
+                answers[local] = (response, hidden)
+                new_tokens += len(response)
+                bar.update(1)
+                bar.set_postfix_str(f"{new_tokens / (time.perf_counter() - start):.0f} tokens/s")
+            responses, hidden = zip(*(answers[local] for local in range(len(chunk))))
+            indices = [i for i, _ in chunk]
+            folder.write_shard(indices, [len(tokenized[i]) for i in indices], [tokenized[i] + r for i, r in zip(indices, responses)],
+                               list(hidden), [k for _, k in chunk])
     return {"prompts": len(prompts), "responses": len(order), "new_responses": left, "new_tokens": new_tokens, "seconds": time.perf_counter() - start}
 
 

@@ -592,6 +592,14 @@ def train(trainer: Trainer, progress: bool = True, log: Optional[Callable[[dict]
 
     config = trainer.config
     bar = tqdm(total=config.steps, initial=trainer.step, unit="step", disable=not progress, dynamic_ncols=True)
+    try:
+        return _train(trainer, bar, log)
+    finally:
+        bar.close()  # on an error too, so that the error has a line of its own
+
+
+def _train(trainer: Trainer, bar, log: Optional[Callable[[dict], None]]) -> dict:
+    config = trainer.config
     tokens_per_step = config.batch_size * config.depth
     last_eval, tic = {}, time.perf_counter()
     while trainer.step < config.steps:
@@ -610,7 +618,6 @@ def train(trainer: Trainer, progress: bool = True, log: Optional[Callable[[dict]
             log(record)
         if trainer.step % config.save_every == 0 or trainer.step == config.steps:
             trainer.save_checkpoint()
-    bar.close()
     return last_eval
 
 
