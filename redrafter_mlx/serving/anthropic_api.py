@@ -15,8 +15,8 @@ from .requests import BadRequest, Context, Job, check_context, flag, forcing, nu
 from .scheduler import Request
 
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error", 413: "request_too_large",
-               429: "rate_limit_error", 503: "overloaded_error"}
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error", 408: "invalid_request_error",
+               413: "request_too_large", 429: "rate_limit_error", 431: "invalid_request_error", 503: "overloaded_error"}
 
 
 def error_body(message: str, status: int, tokens: Optional[int] = None, limit: Optional[int] = None) -> dict:
@@ -149,7 +149,7 @@ def render_prompt(body: dict, ctx: Context) -> tuple[list, list, Optional[list],
     messages = conversation(body)
     tools, left_out = tool_list(body.get("tools"))
     allowed, name, required = tool_choice(body.get("tool_choice"), tools)
-    prompt = render(ctx, messages, tools if allowed else None, template_kwargs(body))
+    prompt = render(ctx, messages, tools if allowed else None, template_kwargs(body, ctx))
     return prompt, messages, tools if allowed else None, forcing(ctx, required, name), left_out
 
 

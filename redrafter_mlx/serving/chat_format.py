@@ -73,6 +73,24 @@ PLAIN_TURNS = TurnFormat("plain User:/Assistant: text", "{role}: ", "\n\n", {"sy
 TURN_FORMATS = (GEMMA_TURNS, CHATML)
 
 
+# Names a request's template arguments (``chat_template_kwargs``) may not
+# take: what the renderer gives the template itself, the other parameters
+# of transformers' ``apply_chat_template`` and ``render_jinja_template``
+# (``chat_template`` among them, which would render the client's own
+# template text), the tokenizer's special tokens, and the globals of
+# transformers' template environment and of Jinja's. The arguments are
+# only values the template reads; none of their text is ever rendered as
+# a template.
+RESERVED_TEMPLATE_NAMES = frozenset({
+    "messages", "conversation", "conversations", "tools", "documents", "add_generation_prompt", "continue_final_message",
+    "chat_template", "tokenize", "sanitize_control_tokens", "padding", "truncation", "max_length", "return_tensors",
+    "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs", "processor_kwargs", "kwargs",
+    "bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token",
+    "additional_special_tokens", "extra_special_tokens",
+    "raise_exception", "strftime_now", "dict", "namespace", "range", "lipsum", "cycler", "joiner", "loop", "self",
+})
+
+
 def turn_format(tokenizer) -> TurnFormat:
     """The turn format a tokenizer without a chat template was made for,
     known by its vocabulary; plain text when none is known."""
@@ -132,6 +150,13 @@ class ChatRenderer:
         if self.native is None:
             return "this model's chat template has no tool-call syntax: tools are offered in the generic <tool_call> syntax"
         return None
+
+    @property
+    def reserved(self) -> frozenset:
+        """The names template arguments may not take: ``RESERVED_TEMPLATE_NAMES``
+        and this tokenizer's own special tokens."""
+        special = getattr(self.tokenizer, "special_tokens_map", None) or {}
+        return RESERVED_TEMPLATE_NAMES | set(special)
 
     def text(self, messages: list, tools: Optional[list] = None, options: Optional[dict] = None) -> str:
         """The prompt text of a conversation (chat messages in OpenAI's

@@ -20,12 +20,13 @@ COUNTERS = {
     "prompt_cache_hits_total": "Requests that started from a stored prompt cache.",
     "prompt_cache_tokens_total": "Prompt tokens taken from stored prompt caches.",
     "errors_total": "Requests that failed inside the engine.",
-    "rejected_total": "Requests turned away, by reason (queue full, shutting down).",
+    "rejected_total": "Requests turned away, by reason (queue full, shutting down, too many connections).",
 }
 GAUGES = {
     "requests_running": "Requests being decoded.",
     "requests_waiting": "Requests waiting for a place in the batch.",
     "prompt_cache_bytes": "Bytes of keys and values in the prompt-cache store.",
+    "connections_open": "HTTP connections open, idle ones included.",
 }
 
 

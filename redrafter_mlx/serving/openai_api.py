@@ -60,7 +60,7 @@ def parse_chat(body: dict, ctx: Context) -> Job:
     messages = conversation(body)
     tools = tool_list(body.get("tools"))
     allowed, name, required = tool_choice(body.get("tool_choice"), tools)
-    prompt = render(ctx, messages, tools if allowed else None, template_kwargs(body))
+    prompt = render(ctx, messages, tools if allowed else None, template_kwargs(body, ctx))
     check_context(prompt, ctx, "messages")
     top = None
     if flag(body, "logprobs"):

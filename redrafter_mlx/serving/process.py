@@ -1,10 +1,12 @@
-"""The serving process around the server: its listening socket, and a
-SIGTERM before the server is up (while the model loads or the cost curves
-are measured) ending it as cleanly as one while it serves."""
+"""The serving process around the server: its listening socket, the
+open files it may hold, and a SIGTERM before the server is up (while the
+model loads or the cost curves are measured) ending it as cleanly as one
+while it serves."""
 
 import contextlib
 import ipaddress
 import os
+import resource
 import signal
 import socket
 import sys
@@ -36,6 +38,22 @@ def listen(host: str, port: int) -> socket.socket:
     except OSError as e:
         raise UserError(f"cannot listen on {host}:{port} ({e.strerror or e})") from None
     return sock
+
+
+def allow_open_files(count: int) -> int:
+    """Raise this process's soft limit on open files to ``count``, as far
+    as its hard limit allows (the soft limit is often far below it: 256 on
+    macOS, 1,024 on many Linux systems); never lowers it. Returns how many
+    files the process may now open."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= count:
+        return count if soft == resource.RLIM_INFINITY else soft
+    wanted = count if hard == resource.RLIM_INFINITY else min(count, hard)
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+    except (ValueError, OSError):  # macOS refuses more than its kern.maxfilesperproc, whatever the hard limit says
+        return soft
+    return wanted
 
 
 @contextlib.contextmanager

@@ -8,6 +8,7 @@ naming it, which the server answers with a 400 in the dialect's error shape.
 """
 
 import json
+import re
 import secrets
 from dataclasses import dataclass, field
 from typing import Optional
@@ -167,12 +168,45 @@ def check_context(prompt: list, ctx: Context, param: str) -> None:
         raise error
 
 
-def template_kwargs(body: dict) -> dict:
-    value = body.get("chat_template_kwargs")
+MAX_TEMPLATE_KWARGS_BYTES = 16 << 10  # as JSON
+MAX_TEMPLATE_KWARGS_DEPTH = 8  # {"a": [1]} is 2 deep
+TEMPLATE_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_]*")
+
+
+def depth(value) -> int:
+    """How deeply a JSON value nests objects and lists (a scalar: 0),
+    measured without recursion."""
+    deepest, level = 0, [(value, 0)]
+    while level:
+        item, d = level.pop()
+        if isinstance(item, (dict, list)):
+            deepest = max(deepest, d + 1)
+            level += [(v, d + 1) for v in (item.values() if isinstance(item, dict) else item)]
+    return deepest
+
+
+def template_kwargs(body: dict, ctx: Context) -> dict:
+    """``chat_template_kwargs``: variables the chat template reads (such as
+    ``enable_thinking``). Their names must be plain identifiers, none that
+    the server sets itself (``ChatRenderer.reserved``: the conversation,
+    the tools, the template itself); their values at most
+    ``MAX_TEMPLATE_KWARGS_BYTES`` as JSON and ``MAX_TEMPLATE_KWARGS_DEPTH``
+    deep. A value the template cannot use fails rendering: a 400 too."""
+    param = "chat_template_kwargs"
+    value = body.get(param)
     if value is None:
         return {}
     if not isinstance(value, dict):
-        raise BadRequest("'chat_template_kwargs' must be an object", "chat_template_kwargs")
+        raise BadRequest("'chat_template_kwargs' must be an object", param)
+    for name in value:
+        if not TEMPLATE_NAME.fullmatch(name):
+            raise BadRequest(f"'chat_template_kwargs' names must be identifiers (letters, digits, _), got {json.dumps(name)[:100]}", param)
+        if name in ctx.renderer.reserved:
+            raise BadRequest(f"'chat_template_kwargs' may not set {name!r}, which the server gives the chat template itself", param)
+    if depth(value) > MAX_TEMPLATE_KWARGS_DEPTH:
+        raise BadRequest(f"'chat_template_kwargs' nests over {MAX_TEMPLATE_KWARGS_DEPTH} levels deep", param)
+    if len(json.dumps(value, ensure_ascii=False).encode()) > MAX_TEMPLATE_KWARGS_BYTES:
+        raise BadRequest(f"'chat_template_kwargs' is over {MAX_TEMPLATE_KWARGS_BYTES} bytes as JSON", param)
     return value
 
 

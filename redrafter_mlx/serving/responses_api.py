@@ -303,7 +303,7 @@ def render_prompt(body: dict, ctx: Context) -> tuple:
         choice["function"]["name"] = shown_name(choice["function"]["name"], names)
     allowed, name, required = chat_tool_choice(choice, tools)
     _text_format(body.get("text"))
-    prompt = render(ctx, messages, tools if allowed else None, template_kwargs(body), "input")
+    prompt = render(ctx, messages, tools if allowed else None, template_kwargs(body, ctx), "input")
     return prompt, messages, tools if allowed else None, names, left_out, (allowed, name, required)
 
 

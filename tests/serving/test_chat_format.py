@@ -106,3 +106,20 @@ def test_a_template_without_a_system_role_gets_the_system_text_and_tools_in_the_
     assert no_system.text(CALLED[:2]) == "[user] Be brief.\n\nShow a.txt [assistant] "
     with_tools = no_system.text(CALLED[1:2], TOOLS)  # the generic tools' text is a system message
     assert with_tools.startswith("[user] # Tools") and with_tools.endswith("Show a.txt [assistant] ")
+
+
+def test_template_syntax_a_client_sends_is_text_and_a_template_argument_the_template_cannot_use_is_a_user_error():
+    """Messages, tool descriptions and template arguments are values the
+    template reads: Jinja syntax in them comes out as written, never run.
+    A template argument the template fails on is the client's error."""
+    template = ("{% for m in messages %}[{{ m.role }}] {{ m.content }} {% endfor %}"
+                "{% if budget is defined %}budget {{ budget + 1 }} {% endif %}{% if add_generation_prompt %}[assistant] {% endif %}")
+    renderer = ChatRenderer(tokenizer([], template))
+    injected = "{{ 7*7 }} {% for x in range(3) %}x{% endfor %}"
+    tools = [{"type": "function", "function": {"name": "f", "description": injected, "parameters": {"type": "object", "properties": {}}}}]
+    text = renderer.text([{"role": "user", "content": injected}], tools)
+    assert text.count(injected) == 2 and "49" not in text and "xxx" not in text
+    messages = [{"role": "user", "content": "hello"}]
+    assert renderer.text(messages, options={"budget": 3}) == "[user] hello budget 4 [assistant] "
+    with pytest.raises(UserError, match="the chat template refused the conversation"):
+        renderer.text(messages, options={"budget": "x"})

@@ -1,8 +1,12 @@
 """`redrafter-mlx serve` as a real server process on loopback, driven by the
 `openai` client package and by raw HTTP."""
 
+import http.client
 import json
 import os
+import re
+import select
+import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -313,3 +317,276 @@ def test_penalties_xtc_and_chat_template_arguments_are_taken(client, reference):
     assert extra.usage.prompt_tokens == plain.usage.prompt_tokens
     with pytest.raises(openai.BadRequestError, match="chat_template_kwargs"):
         client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], extra_body={"chat_template_kwargs": [1]})
+
+
+# A server with short bounds of its own (`serve --read-timeout`,
+# `--max-connections`, `--max-header-bytes`), for the tests of what no
+# client may take.
+READ_TIMEOUT = 2.0
+CONNECTIONS = 6
+HEADER_LIMIT = 4096
+
+
+@pytest.fixture(scope="module")
+def limited(chat_model):
+    model, drafter = chat_model[:2]
+    process, url, port = start_server(
+        "--model", model, "--drafter", drafter, "--max-batch", 2, "--max-tokens", 4,
+        "--read-timeout", READ_TIMEOUT, "--max-connections", CONNECTIONS, "--max-header-bytes", HEADER_LIMIT,
+    )
+    yield url, port
+    stop_server(process)
+
+
+def connect(port: int) -> socket.socket:
+    return socket.create_connection(("127.0.0.1", port), timeout=15)
+
+
+def response_on(sock: socket.socket) -> tuple:
+    """(status, headers, JSON body) of the answer read from a raw socket."""
+    response = http.client.HTTPResponse(sock)
+    response.begin()
+    return response.status, {k.lower(): v for k, v in response.getheaders()}, json.loads(response.read())
+
+
+def closed_after(sock: socket.socket, tic: float) -> float:
+    """Seconds from ``tic`` until the server closed ``sock`` (reading
+    whatever it sent first)."""
+    try:
+        while sock.recv(65536):
+            pass
+    except ConnectionResetError:
+        pass
+    return time.monotonic() - tic
+
+
+def gauge(url: str, name: str) -> float:
+    return float(re.search(rf"^redrafter_{name}(?:{{[^}}]*}})? (\S+)$", httpx.get(url + "/metrics").text, re.M).group(1))
+
+
+def settled(url: str) -> None:
+    """Wait until the connections of earlier tests are closed (the one
+    asking is open)."""
+    deadline = time.monotonic() + 2 * READ_TIMEOUT + 5
+    while gauge(url, "connections_open") > 1:
+        assert time.monotonic() < deadline, "connections of earlier tests stay open"
+        time.sleep(0.1)
+
+
+def test_a_body_sent_a_byte_at_a_time_gets_408_within_the_read_timeout_holding_no_engine_slot(limited):
+    """Nothing reaches the scheduler before the body is in: while the body
+    trickles, /health shows nothing running or waiting. At the read timeout
+    the answer is a 408 in the route's dialect, and the connection closes."""
+    url, port = limited
+    body = json.dumps({"messages": [{"role": "user", "content": "w1 w2 w3"}], "max_tokens": 2}).encode()
+
+    def trickle(path):
+        with connect(port) as sock:
+            sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode())
+            tic, sent, engine = time.monotonic(), 0, set()
+            while not select.select([sock], [], [], 0.1)[0]:  # a byte every 0.1 s until the server answers
+                assert sent < len(body) - 1, "the whole body but its last byte went, and no answer came"
+                sock.sendall(body[sent : sent + 1])
+                sent += 1
+                health = httpx.get(url + "/health").json()
+                engine.add((health["running"], health["waiting"]))
+            status, headers, answer = response_on(sock)
+            seconds = time.monotonic() - tic
+            return status, headers, answer, seconds, engine, closed_after(sock, tic) - seconds
+
+    with ThreadPoolExecutor(2) as pool:
+        (status, headers, answer, seconds, engine, closing), anthropic = pool.map(trickle, [CHAT, "/v1/messages"])
+    assert status == 408 and READ_TIMEOUT - 0.05 <= seconds <= READ_TIMEOUT + 1.0
+    assert answer["error"]["type"] == "invalid_request_error" and f"did not arrive within {READ_TIMEOUT:g} seconds" in answer["error"]["message"]
+    assert headers["connection"] == "close" and closing < 1.0
+    assert engine == {(0, 0)}
+    assert anthropic[0] == 408 and anthropic[2]["type"] == "error" and anthropic[2]["error"]["type"] == "invalid_request_error"
+    assert httpx.post(url + CHAT, json={"messages": MESSAGES, "max_tokens": 2}).json()["usage"]["completion_tokens"] == 2
+
+
+def test_a_connection_that_sends_no_request_or_its_headers_a_line_at_a_time_is_closed_at_the_read_timeout(limited):
+    url, port = limited
+
+    def idle():
+        with connect(port) as sock:
+            return closed_after(sock, time.monotonic())
+
+    def dribble():
+        with connect(port) as sock:
+            tic = time.monotonic()
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")
+            try:
+                for i in range(100):
+                    if select.select([sock], [], [], 0.1)[0]:
+                        break
+                    sock.sendall(b"X-Slow-%d: a\r\n" % i)
+            except (BrokenPipeError, ConnectionResetError):
+                pass
+            return closed_after(sock, tic)
+
+    with ThreadPoolExecutor(2) as pool:
+        seconds = list(pool.map(lambda f: f(), [idle, dribble]))
+    assert all(READ_TIMEOUT - 0.05 <= s <= READ_TIMEOUT + 1.0 for s in seconds), seconds
+    assert httpx.get(url + "/health").json()["status"] == "ok"
+
+
+def test_headers_over_the_bound_get_431_in_the_routes_dialect(server, limited):
+    """Whole in one read (the app's check) or arriving in pieces (h11's
+    buffer stops at the bound), a head over the bound gets 431. The
+    default bound is 64 KiB: 40 KB of headers pass, where h11's own default
+    (16 KiB) would have answered 400."""
+    url = server[0]
+    assert httpx.get(url + "/v1/models", headers={"X-Big": "a" * 40_000}).status_code == 200
+    over = httpx.post(url + CHAT, json={"messages": MESSAGES, "max_tokens": 1}, headers={"X-Big": "a" * 70_000})
+    assert over.status_code == 431 and over.headers["connection"] == "close"
+    assert over.json()["error"]["type"] == "invalid_request_error" and "request headers over 65536 bytes" in over.json()["error"]["message"]
+
+    with connect(limited[1]) as sock:
+        sock.sendall(b"POST /v1/messages?beta=true HTTP/1.1\r\nHost: x\r\n")
+        for i in range(2 * HEADER_LIMIT // 500):
+            if select.select([sock], [], [], 0.05)[0]:
+                break
+            sock.sendall(b"X-Piece-%d: %s\r\n" % (i, b"a" * 500))
+        status, headers, answer = response_on(sock)
+    assert status == 431 and headers["connection"] == "close"
+    assert answer["type"] == "error" and f"request headers over {HEADER_LIMIT} bytes" in answer["error"]["message"]
+    assert httpx.get(limited[0] + "/health").json()["status"] == "ok"
+
+
+def test_connections_beyond_the_bound_are_refused_with_503_and_closed_soon(limited):
+    """Idle connections count. With the bound open, a request on one more
+    gets a 503 in the route's dialect with Retry-After; connections opened
+    beyond the bound are closed within a second unless they send a request;
+    once connections close, requests are served again."""
+    url, port = limited
+    settled(url)
+    held = [connect(port) for _ in range(CONNECTIONS)]
+    try:
+        time.sleep(0.2)
+        beyond = [connect(port) for _ in range(3)]
+        tic = time.monotonic()
+        refused = httpx.post(url + CHAT, json={"messages": MESSAGES, "max_tokens": 1})
+        assert refused.status_code == 503 and refused.headers["retry-after"] == "1" and refused.headers["connection"] == "close"
+        assert refused.json()["error"]["type"] == "service_unavailable"
+        with ThreadPoolExecutor(3) as pool:
+            seconds = list(pool.map(lambda s: closed_after(s, tic), beyond))
+        assert all(s < 1.5 for s in seconds), seconds  # within a second, not the read timeout
+    finally:
+        for sock in held:
+            sock.close()
+    assert httpx.post(url + CHAT, json={"messages": MESSAGES, "max_tokens": 1}).status_code == 200
+    assert gauge(url, "rejected_total") >= 1
+
+
+def test_template_syntax_in_messages_and_tools_is_text_and_never_run(client):
+    """Jinja syntax in what a client sends reaches the prompt as written:
+    the word-level tokenizer counts its words ("{{ 7*7 }}" is three; run,
+    "49" would be one)."""
+
+    def prompt_tokens(content, description="w1 w2 w3"):
+        tool = {"type": "function", "function": {"name": "f", "description": description, "parameters": {"type": "object", "properties": {}}}}
+        return chat(client, content, max_tokens=1, tools=[tool]).usage.prompt_tokens
+
+    plain = prompt_tokens("w1 w2 w3 w4")
+    assert prompt_tokens("w1 {{ 7*7 }}") == plain
+    assert prompt_tokens("w1 {% for %}") == plain
+    assert prompt_tokens("w1 w2 w3 w4", description="{{ 7*7 }}") == plain
+    assert prompt_tokens("w1 w2 w3 w4", description="{% endfor %} {{") == plain + 1  # four words for three
+
+
+DEEP = {"a": {"a": {"a": {"a": {"a": {"a": {"a": {"a": {"a": 1}}}}}}}}}
+BAD_TEMPLATE_KWARGS = [
+    ({"chat_template": "{{ 7*7 }}"}, "may not set 'chat_template'"),
+    ({"messages": []}, "may not set 'messages'"),
+    ({"tools": [{"x": 1}]}, "may not set 'tools'"),
+    ({"add_generation_prompt": False}, "may not set 'add_generation_prompt'"),
+    ({"tokenize": True}, "may not set 'tokenize'"),
+    ({"eos_token": "w5"}, "may not set 'eos_token'"),
+    ({"raise_exception": 1}, "may not set 'raise_exception'"),
+    ({"not a name": 1}, "must be identifiers"),
+    ({"__class__": 1}, "must be identifiers"),
+    ({"deep": DEEP}, "over 8 levels deep"),
+    ({"huge": "w1 " * 10_000}, "bytes as JSON"),
+]
+
+
+@pytest.mark.parametrize("kwargs,message", BAD_TEMPLATE_KWARGS, ids=range(len(BAD_TEMPLATE_KWARGS)))
+def test_chat_template_kwargs_that_would_reach_into_the_template_get_400(server, kwargs, message):
+    for path in (CHAT, "/v1/messages", "/v1/responses"):
+        body = {"max_tokens": 1, "chat_template_kwargs": kwargs}
+        body.update({"input": "w1"} if path == "/v1/responses" else {"messages": MESSAGES})
+        response = httpx.post(server[0] + path, json=body)
+        assert response.status_code == 400, (path, response.text)
+        error = response.json()["error"]
+        assert "chat_template_kwargs" in error["message"] and message in error["message"] and error["type"] == "invalid_request_error"
+    fine = httpx.post(server[0] + CHAT, json={"messages": MESSAGES, "max_tokens": 1, "chat_template_kwargs": {"enable_thinking": False, "effort": {"level": ["low"]}}})
+    assert fine.status_code == 200
+
+
+def test_a_client_that_leaves_while_its_long_prompt_is_prefilled_frees_its_slot_within_a_chunk(chat_model, monkeypatch):
+    """In this process, so that prefill can be slowed down: chunks of 64
+    tokens that take 0.2 s each. A whole (not streamed) request whose
+    prompt needs 16 chunks; its client closes the connection during the
+    second. Within a chunk and the server's poll for clients that left, the
+    prefill stops: nothing runs or waits, no chunk is fed after, the
+    prefill's caches are dropped; the next request is answered."""
+    import threading
+
+    import uvicorn
+
+    from redrafter_mlx.drafting.settings import DraftSettings
+    from redrafter_mlx.engine.prefill import Prefill
+    from redrafter_mlx.loading.loader import load
+    from redrafter_mlx.serving.answer import POLL_SECONDS
+    from redrafter_mlx.serving.chat_format import ChatRenderer
+    from redrafter_mlx.serving.scheduler import Scheduler
+    from redrafter_mlx.serving.server import Server, uvicorn_config
+
+    chunk_seconds, fed = 0.2, []
+    advance = Prefill.advance
+
+    def slow_advance(self):
+        fed.append(time.monotonic())
+        time.sleep(chunk_seconds)
+        return advance(self)
+
+    monkeypatch.setattr(Prefill, "advance", slow_advance)
+    redrafter, tokenizer = load(chat_model[0], chat_model[1], dtype=None)
+    renderer = ChatRenderer(tokenizer)
+    scheduler = Scheduler(redrafter, renderer.eos_token_ids, DraftSettings(), max_batch=2)
+    scheduler.decoder.prefill_step_size = 64
+    scheduler.start()
+    server = Server(scheduler, renderer, "tiny", 4, redrafter.base.max_context)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    serving = uvicorn.Server(uvicorn_config(server, 1))
+    server.connections = serving.server_state.connections
+    thread = threading.Thread(target=serving.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        while not serving.started:
+            time.sleep(0.05)
+        prompt = " ".join(f"w{10 + i % 400}" for i in range(1000))
+        body = json.dumps({"messages": [{"role": "user", "content": prompt}], "max_tokens": 4}).encode()
+        with connect(port) as client_sock:
+            client_sock.sendall(f"POST {CHAT} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+            deadline = time.monotonic() + 10
+            while len(fed) < 2:
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            assert httpx.get(url + "/health").json()["running"] == 1
+        left = time.monotonic()
+        while httpx.get(url + "/health").json()["running"]:
+            assert time.monotonic() - left < 5
+            time.sleep(0.02)
+        assert time.monotonic() - left <= chunk_seconds + POLL_SECONDS + 0.3
+        assert len([t for t in fed if t > left]) <= 1 and len(fed) <= 3  # of 16
+        assert scheduler.coming is None and not scheduler.active and not scheduler.choosers and not scheduler.waiting
+        answer = httpx.post(url + CHAT, json={"messages": MESSAGES, "max_tokens": 2}, timeout=30).json()
+        assert answer["usage"]["completion_tokens"] == 2
+    finally:
+        serving.should_exit = True
+        thread.join(10)
+        scheduler.stop()
