@@ -15,9 +15,11 @@ while these are all active at once:
 
     python3 bench/server_stress.py --json bench/results/serving/server-stress.json
 
-(--idle 1000 --slow 50 --leavers 50 by default; about 3 minutes on a
-2-core CPU. A quick check: --idle 100 --slow 5 --leavers 5 --requests 2
---duration 15 --read-timeout 5.)
+(--idle 1000 --slow 50 --leavers 50 by default: about 5 minutes on a
+2-core CPU, where the normal clients wait behind the leavers' prefill,
+each request at most --timeout. A quick check: --idle 100 --slow 5
+--leavers 5 --duration 15 --read-timeout 5 --timeout 30. --leavers 0
+measures the connections alone.)
 
 Reported: the normal clients' median latency under load over alone (goal
 at most 1.2x), the 5xx answers any client saw and the server counted (goal

