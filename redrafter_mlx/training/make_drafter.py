@@ -457,6 +457,7 @@ def make_drafter(output: str, model: Optional[str] = None, *, say=print, workers
         extra = {k: v for k, v in config_json.items() if k not in drafter.args.to_config()}
         compacted = work / "compact"
         save_drafter(drafter, str(compacted), extra)
+        files.sync_tree(compacted)
         for name in (WEIGHTS_FILE, CONFIG_FILE):
             os.replace(compacted / name, Path(staged) / name)
         return {"bytes": (Path(staged) / WEIGHTS_FILE).stat().st_size}
