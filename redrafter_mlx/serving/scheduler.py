@@ -236,11 +236,13 @@ class Scheduler:
                     self.choosers.pop(ticket.id, None)
                 self.coming = None
             self.waiting = [t for t in self.waiting if not t.cancelled]
-            joining = self._next_joining() if self.coming is None else []
+            joining = self._next_joining()
             self._tell(leave=leaving, join=[(t.request.prompt, t.request.max_tokens, t.id, t.request.sampling) for t in joining])
             try:
-                if joining:
-                    self._begin_join(joining)
+                if joining and self.coming is None:
+                    self.coming = self._begin_join(joining)
+                elif joining:  # short prompts, fed whole now, beside the long one under way
+                    self._finish_join(self._begin_join(joining))
                 if self.coming is not None:
                     self._prefill()
                 self._deliver(self.decoder.step())
@@ -248,25 +250,38 @@ class Scheduler:
                 self._fail(f"{type(e).__name__}: {e}", joining)
 
     def _next_joining(self) -> list:
-        """The waiting requests that start their prefill now: the first, and
-        while each is short (at most one chunk left to feed, after what the
-        prompt cache serves), those after it, as long as the batch has room.
-        A long prompt is prefilled alone, a chunk between the running rows'
-        steps."""
-        room = self.max_batch - sum(1 for t in self.active.values() if not t.cancelled)
-        joining = []
-        for ticket in self.waiting[: max(room, 0)]:
+        """The waiting requests that start their prefill now, as many as the
+        batch has room for. A prompt is short when at most one chunk of it is
+        left to feed after what the prompt cache serves; a long one is
+        prefilled alone, a chunk between the running rows' steps. With no
+        prefill under way: the first waiting request, and the short ones
+        right after it. While a long prompt is prefilled: the short ones,
+        wherever they wait, so that short requests never queue behind long
+        prompts (or behind clients that send one and leave)."""
+        coming = self.coming.tickets if self.coming is not None else []
+        room = self.max_batch - sum(1 for t in self.active.values() if not t.cancelled) - len(coming)
+        if room <= 0 or (coming and self.ranks.several):
+            return []
+
+        def short(ticket) -> bool:
             prompt = ticket.request.prompt
-            alone = not self.ranks.several and len(prompt) - self.store.reusable(prompt) > self.decoder.prefill_step_size
-            if joining and alone:
-                break
-            joining.append(ticket)
-            if alone:
-                break
-        self.waiting = self.waiting[len(joining) :]
+            return self.ranks.several or len(prompt) - self.store.reusable(prompt) <= self.decoder.prefill_step_size
+
+        if coming:
+            joining = [t for t in self.waiting if short(t)][:room]
+        else:
+            joining = []
+            for ticket in self.waiting[:room]:
+                if joining and not short(ticket):
+                    break
+                joining.append(ticket)
+                if not short(ticket):
+                    break
+        chosen = {id(t) for t in joining}
+        self.waiting = [t for t in self.waiting if id(t) not in chosen]
         return joining
 
-    def _begin_join(self, tickets: list) -> None:
+    def _begin_join(self, tickets: list) -> Coming:
         caches = [self.store.find(t.request.prompt) for t in tickets]
         for t, c in zip(tickets, caches):
             if c is not None:
@@ -277,7 +292,7 @@ class Scheduler:
         joining = self.decoder.begin_join(
             [t.request.prompt for t in tickets], [t.request.max_tokens for t in tickets], [t.id for t in tickets], caches
         )
-        self.coming = Coming(tickets, caches, joining)
+        return Coming(tickets, caches, joining)
 
     def _prefill(self) -> None:
         """One chunk of the coming requests' prefill, or, once it is fed,
@@ -290,6 +305,11 @@ class Scheduler:
             if not prefill.done:
                 return
         self.coming = None
+        self._finish_join(coming)
+
+    def _finish_join(self, coming: Coming) -> None:
+        """Feed what is left of the coming requests' prompts and their first
+        tokens: they join the batch."""
         outputs = self.decoder.finish_join(coming.joining)
         tickets, caches = coming.tickets, coming.caches
         joined = outputs[len(outputs) - len(tickets) :]  # before them: tokens of running rows that were ready

@@ -164,3 +164,41 @@ def test_a_process_that_stops_the_engine_and_exits_at_once_exits_cleanly():
         done = subprocess.run([sys.executable, "-c", STOP_AND_EXIT], cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT),
                               capture_output=True, text=True, timeout=120)
         assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_short_requests_join_while_a_long_prompt_is_prefilled(redrafter, monkeypatch):
+    """A short request that comes while a long prompt is being fed chunk by
+    chunk joins the batch at once, beside it, rather than waiting for it;
+    each gets what it would alone."""
+    from redrafter_mlx.engine.decoder import Decoder
+    from redrafter_mlx.engine.prefill import Prefill
+
+    long = ([5, 17, 42, 99] * 100)[:300]
+    expected = alone(redrafter, long, 6), alone(redrafter, PROMPTS[2], 8)
+    scheduler = Scheduler(redrafter, (), DraftSettings(max_nodes=0), max_batch=4)
+    scheduler.decoder.prefill_step_size = 64
+    joined, later, loops = [], [], []
+    advance, finish_join = Prefill.advance, Decoder.finish_join
+
+    def counted(self):
+        if self.tokens_left > 64 and not later:  # the long prompt's first chunk: a short request comes
+            later.append(scheduler.submit(Request(PROMPTS[2], 8), loops[0]))
+        return advance(self)
+
+    def finishing(self, coming):
+        joined.append([len(p) for p in coming.prompts])
+        return finish_join(self, coming)
+
+    monkeypatch.setattr(Prefill, "advance", counted)
+    monkeypatch.setattr(Decoder, "finish_join", finishing)
+    scheduler.start()
+
+    async def main():
+        loops.append(asyncio.get_running_loop())
+        ticket = scheduler.submit(Request(long, 6), loops[0])
+        long_tokens = await collect(ticket)
+        return long_tokens, await collect(later[0])
+
+    assert asyncio.run(main()) == expected
+    assert joined == [[len(PROMPTS[2])], [300]]  # the short one joined first, though it came later
+    scheduler.stop()
