@@ -70,6 +70,11 @@ class Coming:
     joining: Joining
 
 
+# Steps between two clears of MLX's cache of freed buffers, which would
+# otherwise keep every size it has held (as mlx-lm's batch generator does).
+CLEAR_EVERY = 512
+
+
 class Refused(Exception):
     """A request the scheduler will not take: ``reason`` is "queue full" or
     "shutting down"."""
@@ -212,9 +217,12 @@ class Scheduler:
             return
         finally:
             self.ready.set()
-        while True:
+        for steps in itertools.count(1):
             if not self.active and not self.waiting and self.coming is None:
+                mx.clear_cache()  # idle: MLX's cache of freed buffers goes back to the system
                 self.waiting.append(self.incoming.get())
+            elif steps % CLEAR_EVERY == 0:
+                mx.clear_cache()
             while True:
                 try:
                     self.waiting.append(self.incoming.get_nowait())

@@ -66,6 +66,7 @@ IDLE_CONNECTION_SECONDS = 5  # uvicorn closes a connection idle this long after 
 REFUSED_HEAD_SECONDS = 1.0  # the time a connection beyond the bound has to send the request its 503 answers
 SPARE_FILES = 256  # descriptors the process needs besides its connections (the listening socket, files, pipes)
 KEEP_ALIVE_SECONDS = 5.0
+MAX_NOTED_TOOLS = 256  # tools named on the log as left out of prompts
 RETRY_AFTER_SECONDS = 1
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/chat/completions", "/completions", "/v1/responses", "/responses",
           "/v1/responses/input_tokens", "/v1/messages", "/v1/messages/count_tokens", "/v1/models", "/models", "/health", "/metrics",
@@ -446,7 +447,7 @@ class Server:
         if job.kind != "completion":
             job.turn_ends = list(renderer.stop_strings)
         for name in job.left_out:
-            if name not in self.left_out:
+            if name not in self.left_out and len(self.left_out) < MAX_NOTED_TOOLS:  # clients name tools: the set is bounded
                 self.left_out.add(name)
                 print(f"note: the tool {name!r} is left out of prompts: a hosted or deferred tool this server cannot run", file=sys.stderr)
 
