@@ -265,7 +265,7 @@ def run(names: list, points: int, seed: int, say=print) -> dict:
                 "killed": sum(not t["finished_before_the_kill"] for t in trials),
                 "left_loadable": sum(bool(t.get("left_loadable")) for t in trials), "each": trials,
             }
-            say(f"{name}: {summary['jobs'][name]['identical']}/{points} identical, "
+            say(f"{name}: {summary['jobs'][name]['killed']} kills landed; {summary['jobs'][name]['identical']} of {len(trials)} resumed runs identical, "
                 f"{summary['jobs'][name]['left_loadable']} killed runs left a partial folder that loads as a drafter")
         summary["identical"] = sum(j["identical"] for j in summary["jobs"].values())
         summary["trials"] = sum(j["trials"] for j in summary["jobs"].values())
