@@ -15,6 +15,7 @@ import itertools
 import queue
 import sys
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -75,6 +76,28 @@ class Coming:
 CLEAR_EVERY = 512
 
 
+class PrefillShare:
+    """How much of the engine a long prompt's prefill takes while other
+    requests decode. Alone, a prompt is fed chunk after chunk. Beside
+    running requests, each chunk (seconds on a CPU for a long context) is
+    followed by ``decode_share`` times its time of their steps before the
+    next: the prefill takes at most a third of the engine's time, so a
+    long prompt, or a client that sends one and leaves, cannot starve the
+    requests already answering. A chunk is never cut smaller: its size
+    decides the prompt's numbers, which must not depend on what ran beside
+    it."""
+
+    def __init__(self, decode_share: float = 2.0):
+        self.decode_share = decode_share
+        self.next_chunk = 0.0  # monotonic time before which running requests step instead
+
+    def allows(self, decoding: bool) -> bool:
+        return not decoding or time.monotonic() >= self.next_chunk
+
+    def ran(self, seconds: float) -> None:
+        self.next_chunk = time.monotonic() + self.decode_share * seconds
+
+
 class Refused(Exception):
     """A request the scheduler will not take: ``reason`` is "queue full" or
     "shutting down"."""
@@ -124,6 +147,7 @@ class Scheduler:
         self.active: dict = {}  # Decoder row -> Ticket
         self.waiting: list = []  # tickets taken from `incoming`, not yet in the batch
         self.coming: Optional[Coming] = None  # the requests being prefilled
+        self.share = PrefillShare()
         self.decoder = self._new_decoder()
         self.thread = threading.Thread(target=self._run, name="redrafter-engine", daemon=True)
         self.ready = threading.Event()
@@ -251,7 +275,8 @@ class Scheduler:
                     self.coming = self._begin_join(joining)
                 elif joining:  # short prompts, fed whole now, beside the long one under way
                     self._finish_join(self._begin_join(joining))
-                if self.coming is not None:
+                decoding = not self.ranks.several and any(not t.cancelled for t in self.active.values())
+                if self.coming is not None and self.share.allows(decoding):
                     self._prefill()
                 self._deliver(self.decoder.step())
             except Exception as e:  # one failure must not stop the server
@@ -261,7 +286,8 @@ class Scheduler:
         """The waiting requests that start their prefill now, as many as the
         batch has room for. A prompt is short when at most one chunk of it is
         left to feed after what the prompt cache serves; a long one is
-        prefilled alone, a chunk between the running rows' steps. With no
+        prefilled alone, a chunk at a time between the running rows' steps
+        (``PrefillShare``). With no
         prefill under way: the first waiting request, and the short ones
         right after it. While a long prompt is prefilled: the short ones,
         wherever they wait, so that short requests never queue behind long
@@ -309,7 +335,9 @@ class Scheduler:
         coming = self.coming
         prefill = coming.joining.prefill
         if not prefill.done and not self.ranks.several:
+            tic = time.monotonic()
             prefill.advance()
+            self.share.ran(time.monotonic() - tic)
             if not prefill.done:
                 return
         self.coming = None

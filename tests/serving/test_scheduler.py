@@ -202,3 +202,49 @@ def test_short_requests_join_while_a_long_prompt_is_prefilled(redrafter, monkeyp
     assert asyncio.run(main()) == expected
     assert joined == [[len(PROMPTS[2])], [300]]  # the short one joined first, though it came later
     scheduler.stop()
+
+
+def test_a_long_prefill_takes_at_most_a_third_of_the_engine_while_others_decode(redrafter, monkeypatch):
+    """Beside a running request, each chunk of a long prompt is followed by
+    twice its time of the running request's steps; alone, chunks follow one
+    another. Both requests get what they would alone."""
+    import time
+
+    from redrafter_mlx.engine.prefill import Prefill
+
+    long = ([5, 17, 42, 99] * 100)[:300]
+    expected = alone(redrafter, PROMPTS[1], 200), alone(redrafter, long, 4)
+    scheduler = Scheduler(redrafter, (), DraftSettings(max_nodes=0), max_batch=4)
+    scheduler.decoder.prefill_step_size = 64
+    spans, advance = [], Prefill.advance
+
+    def slow(self):  # a chunk as slow as a long context's on a CPU, at this scale
+        tic = time.monotonic()
+        time.sleep(0.05)
+        advance(self)
+        spans.append((tic, time.monotonic(), bool(scheduler.active)))
+
+    monkeypatch.setattr(Prefill, "advance", slow)
+    scheduler.start()
+
+    async def both():
+        loop = asyncio.get_running_loop()
+        running = scheduler.submit(Request(PROMPTS[1], 200), loop)
+        first = await asyncio.wait_for(running.events.get(), 60)
+        waiting = scheduler.submit(Request(long, 4), loop)
+        return first.tokens + await collect(running), await collect(waiting)
+
+    assert asyncio.run(both()) == expected
+    beside = [(a, b) for a, b, decoding in spans[1:] if decoding]  # after the short prompt's own
+    assert len(beside) >= 2
+    gaps = [(start - end) / (end - begin) for (begin, end), (start, _) in zip(beside, beside[1:])]
+    assert min(gaps) >= 1.9, gaps
+    spans.clear()
+    asyncio.run(serve_one(scheduler, Request(long, 4)))
+    gaps = [b[0] - a[1] for a, b in zip(spans, spans[1:])]
+    assert max(gaps) < 0.05, gaps  # alone: one chunk after another
+    scheduler.stop()
+
+
+async def serve_one(scheduler, request):
+    return await collect(scheduler.submit(request, asyncio.get_running_loop()))
