@@ -2,7 +2,7 @@
 return the logits of the first new token, in chunks as mlx-lm does; a
 chunk at a time (``Prefill``) where the caller has other work between them."""
 
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import mlx.core as mx
 
@@ -74,17 +74,32 @@ class Prefill:
 
     def advance(self) -> None:
         """Feed the next chunk (of the first group with one left)."""
+        for _ in self.layers():
+            pass
+
+    def layers(self) -> Iterator[None]:
+        """Feed the next chunk a layer at a time: the chunk's graph is built
+        whole, then each layer's caches are computed in turn, with a yield
+        after each, where the caller may run other work (the running rows'
+        steps) or stop for good (a client that went away: the rest is never
+        computed, and this ``Prefill`` must then be dropped). The numbers
+        are a whole chunk's: the same operations, computed in parts. Only
+        the caches are computed: the chunk's output is not needed, so the
+        last layer's attention and MLP never run (as mlx-lm's loop
+        evaluates only its caches). A model split over ranks computes the
+        chunk whole, output too: it carries the hops between ranks."""
         group = next(g for g in self.groups if g[3] < g[2].shape[1] - 1)
         layout, cache, tokens, fed = group
         end = min(fed + self.step_size, tokens.shape[1] - 1)
         layout.begin_chunk()
         out = self.base.backbone(tokens[:, fed:end], cache=cache)
         layout.end_chunk(end - fed)
-        # Only the caches: the chunk's output is not needed, so the last
-        # layer's attention and MLP are never computed (as mlx-lm's loop
-        # evaluates only its caches). A model split over ranks evaluates the
-        # output too: it carries the hops between ranks.
-        mx.eval([c.state_arrays() for c in cache], [out] if self.base.ranks.several else [])
+        if self.base.ranks.several:
+            mx.eval([c.state_arrays() for c in cache], [out])
+        else:
+            for c in cache:
+                mx.eval(c.state_arrays())
+                yield
         group[3] = end
 
     def finish(self):

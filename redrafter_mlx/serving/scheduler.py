@@ -17,7 +17,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Iterator, Optional
 
 import mlx.core as mx
 
@@ -69,7 +69,10 @@ class Coming:
     tickets: list
     caches: list
     joining: Joining
+    feeding: Optional[Iterator] = None  # the chunk being fed, a layer at a time (``Prefill.layers``)
 
+
+FED = object()  # what ``Prefill.layers`` gives once its chunk is fed
 
 # Steps between two clears of MLX's cache of freed buffers, which would
 # otherwise keep every size it has held (as mlx-lm's batch generator does).
@@ -78,16 +81,17 @@ CLEAR_EVERY = 512
 
 class PrefillShare:
     """How much of the engine a long prompt's prefill takes while other
-    requests decode. Alone, a prompt is fed chunk after chunk. Beside
-    running requests, each chunk (seconds on a CPU for a long context) is
-    followed by ``decode_share`` times its time of their steps before the
-    next: the prefill takes at most a third of the engine's time, so a
-    long prompt, or a client that sends one and leaves, cannot starve the
-    requests already answering. A chunk is never cut smaller: its size
-    decides the prompt's numbers, which must not depend on what ran beside
-    it."""
+    requests decode. A chunk is fed a layer at a time
+    (``Prefill.layers``), one layer per turn of the engine's loop. Alone,
+    the layers follow one another. Beside running requests, each layer's
+    time is followed by ``decode_share`` times as much of their steps: the
+    prefill takes at most a fifth of the engine, so a long prompt, or a
+    client that sends one and leaves, cannot starve the requests already
+    answering (and one that leaves costs at most a layer's work). A chunk
+    is never cut into fewer tokens: its size decides the prompt's numbers,
+    which must not depend on what ran beside it."""
 
-    def __init__(self, decode_share: float = 2.0):
+    def __init__(self, decode_share: float = 4.0):
         self.decode_share = decode_share
         self.next_chunk = 0.0  # monotonic time before which running requests step instead
 
@@ -329,16 +333,19 @@ class Scheduler:
         return Coming(tickets, caches, joining)
 
     def _prefill(self) -> None:
-        """One chunk of the coming requests' prefill, or, once it is fed,
-        their first tokens: they join the batch. A model split over ranks
-        is prefilled whole, as the other ranks' ``join`` feeds it."""
+        """One layer of a chunk of the coming requests' prefill, or, once
+        it is all fed, their first tokens: they join the batch. A model
+        split over ranks is prefilled whole, as the other ranks' ``join``
+        feeds it."""
         coming = self.coming
         prefill = coming.joining.prefill
         if not prefill.done and not self.ranks.several:
             tic = time.monotonic()
-            prefill.advance()
+            coming.feeding = coming.feeding or prefill.layers()
+            if next(coming.feeding, FED) is FED:
+                coming.feeding = None  # that chunk is fed
             self.share.ran(time.monotonic() - tic)
-            if not prefill.done:
+            if coming.feeding is not None or not prefill.done:
                 return
         self.coming = None
         self._finish_join(coming)

@@ -75,21 +75,21 @@ def test_a_long_prompt_is_fed_a_chunk_at_a_time_between_steps_and_a_client_that_
     scheduler = Scheduler(redrafter, (), DraftSettings(max_nodes=0), max_batch=4)
     scheduler.decoder.prefill_step_size = 64
     fed, timeline, cancel = [], [], []
-    advance, step = Prefill.advance, Decoder.step
+    layers, step = Prefill.layers, Decoder.step
 
     def counted(self):
         fed.append(self.tokens_left)
         timeline.append("chunk")
         if cancel and len(fed) == 1:
             scheduler.cancel(cancel[0])
-        return advance(self)
+        yield from layers(self)
 
     def stepped(self):
         if self.tracker.rows:
             timeline.append("step")
         return step(self)
 
-    monkeypatch.setattr(Prefill, "advance", counted)
+    monkeypatch.setattr(Prefill, "layers", counted)
     monkeypatch.setattr(Decoder, "step", stepped)
     scheduler.start()
 
@@ -178,18 +178,18 @@ def test_short_requests_join_while_a_long_prompt_is_prefilled(redrafter, monkeyp
     scheduler = Scheduler(redrafter, (), DraftSettings(max_nodes=0), max_batch=4)
     scheduler.decoder.prefill_step_size = 64
     joined, later, loops = [], [], []
-    advance, finish_join = Prefill.advance, Decoder.finish_join
+    layers, finish_join = Prefill.layers, Decoder.finish_join
 
     def counted(self):
         if self.tokens_left > 64 and not later:  # the long prompt's first chunk: a short request comes
             later.append(scheduler.submit(Request(PROMPTS[2], 8), loops[0]))
-        return advance(self)
+        yield from layers(self)
 
     def finishing(self, coming):
         joined.append([len(p) for p in coming.prompts])
         return finish_join(self, coming)
 
-    monkeypatch.setattr(Prefill, "advance", counted)
+    monkeypatch.setattr(Prefill, "layers", counted)
     monkeypatch.setattr(Decoder, "finish_join", finishing)
     scheduler.start()
 
@@ -204,45 +204,54 @@ def test_short_requests_join_while_a_long_prompt_is_prefilled(redrafter, monkeyp
     scheduler.stop()
 
 
-def test_a_long_prefill_takes_at_most_a_third_of_the_engine_while_others_decode(redrafter, monkeypatch):
-    """Beside a running request, each chunk of a long prompt is followed by
-    twice its time of the running request's steps; alone, chunks follow one
-    another. Both requests get what they would alone."""
+def test_a_long_prefill_takes_at_most_a_fifth_of_the_engine_while_others_decode(redrafter, monkeypatch):
+    """A long prompt is fed a layer at a time. Beside a running request,
+    each layer's time is followed by four times as much of the running
+    request's steps; alone, the layers follow one another. Both requests
+    get what they would alone."""
     import time
 
+    from redrafter_mlx.engine.decoder import Decoder
     from redrafter_mlx.engine.prefill import Prefill
 
     long = ([5, 17, 42, 99] * 100)[:300]
-    expected = alone(redrafter, PROMPTS[1], 200), alone(redrafter, long, 4)
+    expected = alone(redrafter, PROMPTS[1], 300), alone(redrafter, long, 4)
     scheduler = Scheduler(redrafter, (), DraftSettings(max_nodes=0), max_batch=4)
     scheduler.decoder.prefill_step_size = 64
-    spans, advance = [], Prefill.advance
+    spans, layers = [], Prefill.layers
 
-    def slow(self):  # a chunk as slow as a long context's on a CPU, at this scale
-        tic = time.monotonic()
-        time.sleep(0.05)
-        advance(self)
-        spans.append((tic, time.monotonic(), bool(scheduler.active)))
+    def slow(self):  # a layer as slow as a long context's on a CPU, at this scale
+        for _ in layers(self):
+            tic = time.monotonic()
+            time.sleep(0.02)
+            spans.append((tic, time.monotonic(), bool(scheduler.active)))
+            yield
 
-    monkeypatch.setattr(Prefill, "advance", slow)
+    def slow_step(self):  # steps of a real model's length, so that the running request outlasts the prefill
+        time.sleep(0.003)
+        return step(self)
+
+    step = Decoder.step
+    monkeypatch.setattr(Prefill, "layers", slow)
+    monkeypatch.setattr(Decoder, "step", slow_step)
     scheduler.start()
 
     async def both():
         loop = asyncio.get_running_loop()
-        running = scheduler.submit(Request(PROMPTS[1], 200), loop)
+        running = scheduler.submit(Request(PROMPTS[1], 300), loop)
         first = await asyncio.wait_for(running.events.get(), 60)
         waiting = scheduler.submit(Request(long, 4), loop)
         return first.tokens + await collect(running), await collect(waiting)
 
     assert asyncio.run(both()) == expected
-    beside = [(a, b) for a, b, decoding in spans[1:] if decoding]  # after the short prompt's own
-    assert len(beside) >= 2
+    beside = [(a, b) for a, b, decoding in spans if decoding][2:]  # after the short prompt's own layers
+    assert len(beside) >= 6
     gaps = [(start - end) / (end - begin) for (begin, end), (start, _) in zip(beside, beside[1:])]
-    assert min(gaps) >= 1.9, gaps
+    assert min(gaps) >= 3.5, gaps
     spans.clear()
     asyncio.run(serve_one(scheduler, Request(long, 4)))
     gaps = [b[0] - a[1] for a, b in zip(spans, spans[1:])]
-    assert max(gaps) < 0.05, gaps  # alone: one chunk after another
+    assert max(gaps) < 0.05, gaps  # alone: one layer after another
     scheduler.stop()
 
 

@@ -543,14 +543,14 @@ def test_a_client_that_leaves_while_its_long_prompt_is_prefilled_frees_its_slot_
     from redrafter_mlx.serving.server import Server, uvicorn_config
 
     chunk_seconds, fed = 0.2, []
-    advance = Prefill.advance
+    layers = Prefill.layers
 
-    def slow_advance(self):
+    def slow_layers(self):
         fed.append(time.monotonic())
         time.sleep(chunk_seconds)
-        return advance(self)
+        yield from layers(self)
 
-    monkeypatch.setattr(Prefill, "advance", slow_advance)
+    monkeypatch.setattr(Prefill, "layers", slow_layers)
     redrafter, tokenizer = load(chat_model[0], chat_model[1], dtype=None)
     renderer = ChatRenderer(tokenizer)
     scheduler = Scheduler(redrafter, renderer.eos_token_ids, DraftSettings(), max_batch=2)
