@@ -379,6 +379,7 @@ def serve(
     max_connections: Annotated[int, typer.Option(min=1, help="open connections, idle ones included; a request on one beyond gets 503")] = 2048,
     api_key: Annotated[Optional[str], typer.Option(help="the key every route but /health and / then needs (Authorization: Bearer KEY or x-api-key: KEY)", show_default=f"none, or ${API_KEY_ENV}")] = None,
     max_queue: Annotated[Optional[int], typer.Option(min=0, help="requests that may wait for a place in the batch; more get 429", show_default="no limit")] = None,
+    prefill_share: Annotated[float, typer.Option(min=0.01, max=1.0, help="the most of the engine's time a long prompt's prefill takes while other requests decode: lower favours those, higher the long prompt's first token")] = 0.2,
     keep_alive: Annotated[float, typer.Option(parser=positive_seconds, metavar="SECONDS", help="seconds between keep-alive comments of a streamed answer that waits or prefills")] = 5.0,
     shutdown_timeout: Annotated[float, typer.Option(min=0, help="on SIGTERM, seconds running requests may finish")] = 30.0,
     access_log: Annotated[bool, typer.Option("--access-log/--no-access-log", help="write a line per request on stderr (client, method, path, status, seconds)")] = True,
@@ -415,7 +416,7 @@ def serve(
         run_server(redrafter, tokenizer, draft, sock, name, max_batch=max_batch, max_tokens=max_tokens, max_output_tokens=max_output_tokens,
                    cache_bytes=int(prompt_cache_mb * 2**20), prompt_log=log, api_key=key,
                    limits=Limits(max_body_bytes, read_timeout, max_header_bytes, max_connections),
-                   max_queue=max_queue, shutdown_timeout=shutdown_timeout, keep_alive=keep_alive, access_log=access_log,
+                   max_queue=max_queue, shutdown_timeout=shutdown_timeout, keep_alive=keep_alive, access_log=access_log, prefill_share=prefill_share,
                    announce=lambda line: print(line, file=sys.stderr, flush=True))
         ranks.end()
 

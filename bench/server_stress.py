@@ -4,7 +4,7 @@ embedded model unless --model) answers 8 normal clients alone, then again
 while these are all active at once:
 
 - --idle keep-alive connections: each asks GET /health, then stays open
-  and idle until the server closes it (5 s after the answer), and opens
+  and idle until the server closes it (30 s after the answer), and opens
   again;
 - --slow clients sending a chat request's body a byte a second (each gets
   a 408 at the server's read timeout, 30 s, and starts over);
@@ -274,6 +274,7 @@ def main() -> None:
     parser.add_argument("--ramp", type=float, default=5.0, help="seconds between starting the load and the normal clients")
     parser.add_argument("--prompt-cache-mb", type=float, default=1024, help="the server's --prompt-cache-mb (its bound, checked at the end)")
     parser.add_argument("--read-timeout", type=float, help="the server's --read-timeout (default: its own, 30 s)")
+    parser.add_argument("--prefill-share", type=float, help="the server's --prefill-share (default: its own, 0.2)")
     parser.add_argument("--json")
     args = parser.parse_args()
     allow_open_files(args.idle + args.slow + args.leavers + 256)
@@ -282,6 +283,7 @@ def main() -> None:
     command = [sys.executable, "-m", "redrafter_mlx.cli", "serve", "--no-access-log", "--prompt-cache-mb", str(args.prompt_cache_mb)]
     command += ["--model", args.model] if args.model else []
     command += ["--read-timeout", str(args.read_timeout)] if args.read_timeout else []
+    command += ["--prefill-share", str(args.prefill_share)] if args.prefill_share else []
     needed = 2 * CLIENTS * args.requests
     if needed > len(THINGS):
         sys.exit(f"--requests {args.requests}: two phases of {CLIENTS} clients need {needed} prompts; {len(THINGS)} are written here")
@@ -350,7 +352,7 @@ def main() -> None:
         "command": " ".join(sys.argv),
         "machine": f"{platform.machine()} {platform.system()}, {os.cpu_count()} CPUs",
         "load": {"idle": args.idle, "slow": args.slow, "leavers": args.leavers, "leaver_words": args.leaver_words, "duration_s": args.duration,
-                 "read_timeout_s": args.read_timeout or 30.0},
+                 "read_timeout_s": args.read_timeout or 30.0, "prefill_share": args.prefill_share or 0.2},
         "alone": alone,
         "under_load": loaded,
         "latency_ratio": ratio,

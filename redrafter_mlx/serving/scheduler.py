@@ -72,6 +72,7 @@ class Coming:
     feeding: Optional[Iterator] = None  # the chunk being fed, a layer at a time (``Prefill.layers``)
 
 
+PREFILL_SHARE = 0.2  # of the engine's time, a long prefill's at most while other requests decode
 FED = object()  # what ``Prefill.layers`` gives once its chunk is fed
 
 # Steps between two clears of MLX's cache of freed buffers, which would
@@ -83,23 +84,24 @@ class PrefillShare:
     """How much of the engine a long prompt's prefill takes while other
     requests decode. A chunk is fed a layer at a time
     (``Prefill.layers``), one layer per turn of the engine's loop. Alone,
-    the layers follow one another. Beside running requests, each layer's
-    time is followed by ``decode_share`` times as much of their steps: the
-    prefill takes at most a fifth of the engine, so a long prompt, or a
-    client that sends one and leaves, cannot starve the requests already
-    answering (and one that leaves costs at most a layer's work). A chunk
-    is never cut into fewer tokens: its size decides the prompt's numbers,
-    which must not depend on what ran beside it."""
+    the layers follow one another. Beside running requests, each layer is
+    followed by enough of their steps that the prefill takes at most
+    ``share`` of the engine's time (a fifth by default): a long prompt, or
+    a client that sends one and leaves, cannot starve the requests already
+    answering, and one that leaves costs at most a layer's work. A lower
+    share favours the answering requests, a higher one the long prompt's
+    first token. A chunk is never cut into fewer tokens: its size decides
+    the prompt's numbers, which must not depend on what ran beside it."""
 
-    def __init__(self, decode_share: float = 4.0):
-        self.decode_share = decode_share
-        self.next_chunk = 0.0  # monotonic time before which running requests step instead
+    def __init__(self, share: float = PREFILL_SHARE):
+        self.share = share
+        self.next_layer = 0.0  # monotonic time before which running requests step instead
 
     def allows(self, decoding: bool) -> bool:
-        return not decoding or time.monotonic() >= self.next_chunk
+        return not decoding or time.monotonic() >= self.next_layer
 
     def ran(self, seconds: float) -> None:
-        self.next_chunk = time.monotonic() + self.decode_share * seconds
+        self.next_layer = time.monotonic() + seconds * (1 / self.share - 1)
 
 
 class Refused(Exception):
@@ -132,10 +134,12 @@ class Scheduler:
     """max_batch: requests decoded together (others wait their turn).
     cache_bytes: memory for finished requests' prompt caches (0: none).
     max_queue: requests that may wait at once (None: any number); more are
-    refused. metrics: a ``Metrics`` the engine adds its counts to."""
+    refused. metrics: a ``Metrics`` the engine adds its counts to.
+    prefill_share: the most of the engine's time a long prompt's prefill
+    takes while other requests decode (``PrefillShare``)."""
 
     def __init__(self, redrafter: ReDrafter, eos_token_ids, draft: DraftSettings, max_batch: int = 8, cache_bytes: int = 0,
-                 max_queue: Optional[int] = None, metrics: Optional[Metrics] = None):
+                 max_queue: Optional[int] = None, metrics: Optional[Metrics] = None, prefill_share: float = PREFILL_SHARE):
         self.redrafter, self.eos, self.draft = redrafter, eos_token_ids, draft
         self.max_batch, self.max_queue = max_batch, max_queue
         self.metrics = metrics or Metrics()
@@ -151,7 +155,7 @@ class Scheduler:
         self.active: dict = {}  # Decoder row -> Ticket
         self.waiting: list = []  # tickets taken from `incoming`, not yet in the batch
         self.coming: Optional[Coming] = None  # the requests being prefilled
-        self.share = PrefillShare()
+        self.share = PrefillShare(prefill_share)
         self.decoder = self._new_decoder()
         self.thread = threading.Thread(target=self._run, name="redrafter-engine", daemon=True)
         self.ready = threading.Event()

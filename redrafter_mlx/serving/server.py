@@ -56,13 +56,13 @@ from .metrics import Metrics
 from .process import allow_open_files
 from .prompts import PromptLog
 from .requests import BadRequest, Context
-from .scheduler import Refused, Scheduler
+from .scheduler import PREFILL_SHARE, Refused, Scheduler
 
 MAX_BODY_BYTES = 4 << 20
 READ_TIMEOUT_SECONDS = 30.0  # for a request's head, then for its body
 MAX_HEADER_BYTES = 64 << 10  # a request's line and headers
 MAX_CONNECTIONS = 2048  # open connections, idle ones included
-IDLE_CONNECTION_SECONDS = 5  # uvicorn closes a connection idle this long after an answer (its timeout_keep_alive)
+IDLE_CONNECTION_SECONDS = 30  # uvicorn closes a connection idle this long after an answer (its timeout_keep_alive)
 REFUSED_HEAD_SECONDS = 1.0  # the time a connection beyond the bound has to send the request its 503 answers
 SPARE_FILES = 256  # descriptors the process needs besides its connections (the listening socket, files, pipes)
 KEEP_ALIVE_SECONDS = 5.0
@@ -493,7 +493,7 @@ def run_server(
     cache_bytes: int = 0,
     limits: Limits = Limits(), prompt_log: Optional[PromptLog] = None, api_key: Optional[str] = None,
     max_queue: Optional[int] = None, shutdown_timeout: float = 30.0, keep_alive: float = KEEP_ALIVE_SECONDS, announce=print,
-    access_log: bool = True,
+    access_log: bool = True, prefill_share: float = PREFILL_SHARE,
 ) -> None:
     """``redrafter-mlx serve``: start the engine thread (it measures or reads
     the cost curves first), then serve on the bound socket ``sock`` until
@@ -512,7 +512,7 @@ def run_server(
         bound = max(1, files - SPARE_FILES)
         announce(f"note: this process may open {files} files, so at most {bound} connections are served at once, not {limits.max_connections}")
         limits = dataclasses.replace(limits, max_connections=bound)
-    scheduler = Scheduler(redrafter, renderer.eos_token_ids, draft, max_batch, cache_bytes, max_queue, Metrics())
+    scheduler = Scheduler(redrafter, renderer.eos_token_ids, draft, max_batch, cache_bytes, max_queue, Metrics(), prefill_share)
     scheduler.start()
     server = Server(scheduler, renderer, model_name, max_tokens, redrafter.base.max_context, limits, prompt_log, api_key, keep_alive,
                     announce if access_log else None, max_output_tokens)
