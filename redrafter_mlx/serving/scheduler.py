@@ -292,14 +292,14 @@ class Scheduler:
 
     def _next_joining(self) -> list:
         """The waiting requests that start their prefill now, as many as the
-        batch has room for. A prompt is short when at most one chunk of it is
-        left to feed after what the prompt cache serves; a long one is
-        prefilled alone, a chunk at a time between the running rows' steps
-        (``PrefillShare``). With no
-        prefill under way: the first waiting request, and the short ones
-        right after it. While a long prompt is prefilled: the short ones,
-        wherever they wait, so that short requests never queue behind long
-        prompts (or behind clients that send one and leave)."""
+        batch has room for. A prompt is short when at most one chunk of it
+        is left to feed after what the prompt cache serves; a long one is
+        prefilled alone, a layer at a time between the running rows' steps
+        (``PrefillShare``). With no prefill under way: the first waiting
+        request, and the short ones right after it. While a long prompt is
+        prefilled: the short ones, wherever they wait, so that short
+        requests never queue behind long prompts (or behind clients that
+        send one and leave)."""
         coming = self.coming.tickets if self.coming is not None else []
         room = self.max_batch - sum(1 for t in self.active.values() if not t.cancelled) - len(coming)
         if room <= 0 or (coming and self.ranks.several):
