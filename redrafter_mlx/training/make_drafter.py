@@ -397,6 +397,7 @@ def make_drafter(output: str, model: Optional[str] = None, *, say=print, workers
     command = options.pop("command", None)
     plan = load_or_make_plan(output, model, say=say, **options)
     work = work_folder(output)
+    files.remove_temporaries(work)  # what a killed run was writing
     stages = Stages(work, plan, say)
     estimates = {s["name"]: s["seconds"] for s in plan["stages"]}
     dtype = plan.get("dtype")
