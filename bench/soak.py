@@ -179,7 +179,9 @@ def main() -> None:
     print(json.dumps({k: v for k, v in summary.items() if k not in ("samples", "failed")}, indent=1))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(summary, indent=1) + "\n")
+        samples = summary.pop("samples")  # a line each
+        text = json.dumps(summary, indent=1)[:-2] + ',\n "samples": [\n' + ",\n".join("  " + json.dumps(s) for s in samples) + "\n ]\n}\n"
+        Path(args.json).write_text(text)
 
 
 if __name__ == "__main__":
