@@ -33,6 +33,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 
+from server_stress import resident_mb  # noqa: E402
 from server_throughput import start  # noqa: E402
 
 from redrafter_mlx.serving.prompts import read_prompts  # noqa: E402
@@ -43,11 +44,7 @@ KINDS = ("chat", "chat_stream", "tools", "completion", "anthropic", "anthropic_s
 
 
 def resident_bytes(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
+    return int((resident_mb(pid) or 0) * 2**20)
 
 
 def long_text(number: int, words: int) -> str:
