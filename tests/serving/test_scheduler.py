@@ -72,7 +72,8 @@ def test_a_long_prompt_is_fed_a_chunk_at_a_time_between_steps_and_a_client_that_
 
     long = ([5, 17, 42, 99] * 100)[:300]
     expected = alone(redrafter, PROMPTS[1], 60), alone(redrafter, long, 4)
-    scheduler = Scheduler(redrafter, (), DraftSettings(max_nodes=0), max_batch=4)
+    # A share of 1: a layer every turn, so the running request cannot end before the prefill does
+    scheduler = Scheduler(redrafter, (), DraftSettings(max_nodes=0), max_batch=4, prefill_share=1.0)
     scheduler.decoder.prefill_step_size = 64
     fed, timeline, cancel = [], [], []
     layers, step = Prefill.layers, Decoder.step
