@@ -64,7 +64,7 @@ def main():
 
     out = Path(args.out)
     results = json.loads(out.read_text()) if out.exists() else {"settings": vars(args), "shapes": {}}
-    redrafter, tokenizer = redrafter_mlx.load(args.model, args.drafter)
+    redrafter, tokenizer = redrafter_mlx.load(args.model, drafter=args.drafter)
     texts = read_prompts(args.prompts)[:: args.every][: args.num_prompts]
     prompts = [encode_prompt(tokenizer, t) for t in texts]
     choose = redrafter_mlx.make_chooser(redrafter_mlx.SamplingSettings(temp=args.temp, seed=args.seed))

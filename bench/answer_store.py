@@ -19,12 +19,12 @@ from redrafter_mlx.drafting.answers import answer_store
 from redrafter_mlx.engine.prompt_cache import make_prompt_cache
 from redrafter_mlx.engine.types import ReDrafter
 from redrafter_mlx.loading.loader import load
-from redrafter_mlx.serving.api import stream_generate
+from redrafter_mlx.serving.api import stream_steps
 
 
 def answer(redrafter, tokenizer, messages, cache, max_tokens):
     tic, tokens, last = time.perf_counter(), [], None
-    for last in stream_generate(redrafter, tokenizer, messages, max_tokens, prompt_cache=cache):
+    for last in stream_steps(redrafter, tokenizer, messages, max_tokens, prompt_cache=cache):
         tokens += last.tokens
     return tokens, time.perf_counter() - tic, (last.step_tokens / last.steps if last and last.steps else 0.0)
 

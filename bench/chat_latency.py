@@ -32,7 +32,7 @@ def main() -> None:
     parser.add_argument("--json")
     args = parser.parse_args()
 
-    redrafter, tokenizer = load(args.model, args.drafter)
+    redrafter, tokenizer = load(args.model, drafter=args.drafter)
     questions = read_prompts(args.prompts)[: args.turns]
     messages, cache, rows = [], make_prompt_cache(), []
     answer(redrafter, tokenizer, [{"role": "user", "content": "Hi"}], 8, lambda s: None)  # warm-up

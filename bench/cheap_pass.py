@@ -87,19 +87,19 @@ def main():
     work = Path(tempfile.mkdtemp(prefix="cheap-pass-"))
     os.environ["REDRAFTER_MLX_CACHE"] = str(work / "cache")
     model_dir, drafter_dir = make_pair(work)
-    _, tokenizer = load(model_dir, "none")
+    _, tokenizer = load(model_dir, drafter="none")
     prompt = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], tokenize=False, add_generation_prompt=True),
                               add_special_tokens=False)
     results = []
     for drafter in (drafter_dir, "none"):
         for loading in ("afresh", "once"):
-            kept, _ = load(model_dir, drafter)
+            kept, _ = load(model_dir, drafter=drafter)
             redrafter_tps(kept, prompt, 16)  # the cost curve (measured the first time), kernels
             plain_tps(kept.base.model, prompt, 16)
             for tokens in lengths:
                 ratios, steps = [], []
                 for _ in range(args.rounds):
-                    pair = load(model_dir, drafter)[0] if loading == "afresh" else kept
+                    pair = load(model_dir, drafter=drafter)[0] if loading == "afresh" else kept
                     base_rate = plain_tps(pair.base.model, prompt, tokens)
                     rate, step_count, emitted = redrafter_tps(pair, prompt, tokens)
                     ratios.append(rate / base_rate)

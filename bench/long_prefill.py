@@ -61,7 +61,7 @@ def main() -> None:
     parser.add_argument("--json", required=True)
     args = parser.parse_args()
     model = gemma3_270m_path() if args.model == "gemma" else args.model
-    redrafter, tokenizer = load(model, "none")
+    redrafter, tokenizer = load(model, drafter="none")
     base = redrafter.base
     text = "\n\n".join(Path(inspect.getsourcefile(__import__(m))).read_text() for m in SOURCES)
     ids = tokenizer.encode(text)

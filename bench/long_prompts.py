@@ -167,7 +167,7 @@ def main() -> None:
     parser.add_argument("--json", required=True, help="where the results go")
     args = parser.parse_args()
     model = gemma3_270m_path() if args.model == "gemma" else args.model
-    redrafter, tokenizer = load(model, args.drafter)
+    redrafter, tokenizer = load(model, drafter=args.drafter)
     results = []
     for length in (int(n) for n in args.lengths.split(",")):
         for module in MODULES[args.set][: args.modules]:

@@ -27,9 +27,10 @@ _API = {
     "SamplingSettings": "engine.sampling",
     "make_chooser": "engine.sampling",
     "load": "loading.loader",
-    "batch_generate": "serving.api",
-    "generate": "serving.api",
-    "stream_generate": "serving.api",
+    "batch_generate": "serving.generate",
+    "generate": "serving.generate",
+    "stream_generate": "serving.generate",
+    "GenerationResponse": "serving.generate",
 }
 __all__ = list(_API)
 

@@ -17,6 +17,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
+from scipy.stats import chisquare
 from mlx_lm.generate import generate_step
 from mlx_lm.models import gemma3_text, lfm2, llama, mixtral, nemotron_h, qwen2, qwen3_5, qwen3_moe, qwen3_next
 
@@ -295,6 +296,23 @@ def processed_probs(logits, settings):
         logprobs = apply_top_k(logprobs, settings["top_k"])
     probs = np.array(mx.softmax(logprobs / settings["temp"], axis=-1)).astype(np.float64)
     return probs / probs.sum(axis=-1, keepdims=True)
+
+
+def assert_same_distribution(counts, joint, min_p=1e-3):
+    """Chi-square goodness of fit, merging cells expected below 5; any
+    sample in a cell of probability 0 fails."""
+    total = counts.sum()
+    expected = joint.ravel() * total
+    observed = counts.ravel().astype(float)
+    assert observed[expected == 0].sum() == 0, "samples outside the distribution's support"
+    small = (expected < 5) & (expected > 0)
+    exp = np.append(expected[expected >= 5], expected[small].sum())
+    obs = np.append(observed[expected >= 5], observed[small].sum())
+    if not small.any():
+        exp, obs = exp[:-1], obs[:-1]
+    p_value = chisquare(obs, exp * obs.sum() / exp.sum()).pvalue
+    assert p_value > min_p, p_value
+    return p_value
 
 
 def save_word_tokenizer(folder, vocab_size: int) -> None:

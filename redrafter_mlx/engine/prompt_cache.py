@@ -31,6 +31,12 @@ class PromptCache:
     after all the tokens, and values None.
     model: the identity of the model that made them ('' when unknown).
 
+    pending: tokens the conversation holds after ``tokens``, whose keys
+    and values are not computed yet. mlx-lm's API treats a cache as the
+    whole conversation so far, its last answer's final token and
+    end-of-sequence token included, and continues it with the next prompt:
+    ``serving.generate`` keeps those tokens here.
+
     Empty until a generation given it (``prompt_cache=``) fills it; each
     step of that generation replaces the whole state at once, so a cache is
     consistent whenever the generation is interrupted. While the generation
@@ -43,6 +49,7 @@ class PromptCache:
         self._state = (list(tokens), list(keys), list(values))
         self._fetch: Optional[Callable[[], tuple]] = None
         self.model = model
+        self.pending: list = []
 
     def _read(self) -> tuple:
         if self._fetch is not None:
@@ -74,7 +81,7 @@ class PromptCache:
         self._fetch, self.model = fetch, model
 
     def clear(self) -> None:
-        self._state, self._fetch = ([], [], []), None
+        self._state, self._fetch, self.pending = ([], [], []), None, []
 
     @property
     def recurrent(self) -> bool:
@@ -124,8 +131,12 @@ class PromptCache:
         return PromptCache(self.tokens, keys, values, self.model)
 
 
-def make_prompt_cache() -> PromptCache:
-    """An empty cache to pass as ``prompt_cache=`` (as in mlx-lm)."""
+def make_prompt_cache(model=None, max_kv_size: Optional[int] = None) -> PromptCache:
+    """An empty cache to pass as ``prompt_cache=``. The arguments are
+    mlx-lm's: any model (a cache fits the model that first fills it), and
+    no ``max_kv_size`` (a cache keeps every token)."""
+    if max_kv_size is not None:
+        raise UserError("a prompt cache keeps every token: max_kv_size is not supported")
     return PromptCache()
 
 
@@ -143,7 +154,8 @@ def save_prompt_cache(path: str, cache: PromptCache, metadata: Optional[dict] = 
                 arrays[f"state.{i}.{j}"] = mx.contiguous(a)
         else:
             arrays[f"keys.{i}"], arrays[f"values.{i}"] = mx.contiguous(k), mx.contiguous(v)
-    info = {"format": str(FORMAT), "tokens": json.dumps(cache.tokens), "model": cache.model, "layers": str(len(cache.keys))}
+    info = {"format": str(FORMAT), "tokens": json.dumps(cache.tokens), "model": cache.model, "layers": str(len(cache.keys)),
+            "pending": json.dumps(cache.pending)}
     info["recurrent"] = json.dumps(recurrent)
     info["metadata"] = json.dumps(metadata or {})
     tmp = path.with_name(f".{path.stem}.tmp{os.getpid()}.safetensors")
@@ -167,6 +179,7 @@ def load_prompt_cache(path: str, return_metadata: bool = False):
         keys = [tuple(arrays[f"state.{i}.{j}"] for j in range(recurrent[i])) if i in recurrent else arrays[f"keys.{i}"] for i in range(layers)]
         values = [None if i in recurrent else arrays[f"values.{i}"] for i in range(layers)]
         tokens = json.loads(info["tokens"])
+        pending = json.loads(info.get("pending", "[]"))
         metadata = json.loads(info.get("metadata", "{}"))
         attention = [a for i in range(layers) if i not in recurrent for a in (keys[i], values[i])]
         if any(k.ndim != 4 or k.shape[2] != len(tokens) for k in attention):
@@ -174,4 +187,5 @@ def load_prompt_cache(path: str, return_metadata: bool = False):
     except (OSError, RuntimeError, ValueError, KeyError, TypeError) as e:
         raise UserError(f"cannot read the prompt cache {path} ({e})") from None
     cache = PromptCache(tokens, keys, values, info.get("model", ""))
+    cache.pending = pending
     return (cache, metadata) if return_metadata else cache

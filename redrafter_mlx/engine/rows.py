@@ -55,9 +55,9 @@ class RowTracker:
             # max_tokens would never have been generated (a "length" end).
             room = self.max_tokens[row] - self.produced[row]
             eos_at = next((j for j, token in enumerate(tokens[:room]) if token in self.eos), None)
-            finish = None
+            finish = stop_token = None
             if eos_at is not None:
-                tokens, finish = tokens[:eos_at], "stop"
+                tokens, finish, stop_token = tokens[:eos_at], "stop", tokens[eos_at]
             elif len(tokens) >= room:
                 tokens, finish = tokens[:room], "length"
             self.context[row].extend(tokens)
@@ -65,7 +65,7 @@ class RowTracker:
             accepted = None if num_accepted is None else num_accepted[i]
             nodes = None if num_nodes is None else num_nodes[i]
             row_logprobs = None if logprobs is None else logprobs[i][: len(tokens)]
-            outputs.append(StepOutput(row, tokens, accepted, finish, num_nodes=nodes, logprobs=row_logprobs))
+            outputs.append(StepOutput(row, tokens, accepted, finish, num_nodes=nodes, logprobs=row_logprobs, stop_token=stop_token))
         return outputs
 
     def keep_unfinished(self, outputs: list[StepOutput]) -> Optional[list[int]]:

@@ -14,7 +14,7 @@ token it emits, not one per node it verifies.
 """
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -372,3 +372,78 @@ class PerPrompt(Chooser):
 def chooser_per_prompt(choosers: dict) -> Chooser:
     """``PerPrompt(choosers)``: each prompt of the batch chooses by its own."""
     return PerPrompt(choosers)
+
+
+def node_paths(history: TokenHistory) -> list:
+    """Per row, per node, the tokens a token choice at that node follows:
+    the row's context, then the node's path below the root (its ancestors
+    of depth >= 1 and itself, in order). At prefill (no nodes), one entry
+    per row: the context."""
+    if history.node_tokens is None:
+        return [[list(context)] for context in history.context]
+    tokens, mask, depths = (np.array(a) for a in (history.node_tokens, history.node_mask, history.node_depths))
+    paths = []
+    for b, context in enumerate(history.context):
+        row = []
+        for j in range(tokens.shape[1]):
+            below_root = [i for i in np.nonzero(mask[b, j])[0] if depths[b, i] >= 1]
+            row.append(list(context) + [int(tokens[b, i]) for i in sorted(below_root, key=lambda i: depths[b, i])])
+        paths.append(row)
+    return paths
+
+
+class AppSampler(Chooser):
+    """An app's own mlx-lm ``sampler`` and ``logits_processors``
+    (``mlx_lm.sample_utils.make_sampler`` / ``make_logits_processors`` or
+    any functions of their shapes), as a chooser.
+
+    Each node's logits go through the processors with that node's own
+    tokens (``node_paths``: the context and the node's path, as mlx-lm's
+    loop gives them, the node's token last), are normalised to
+    log-probabilities, and the sampler draws the node's token from them
+    (None: the argmax, mlx-lm's default). Every node draws on its own, so
+    the acceptance walk, which follows the drawn child, emits exactly what
+    the sampler would draw token by token: it needs the draws, never the
+    sampler's probabilities, which an opaque sampler does not give.
+
+    ``last_logprobs``: the log-probabilities (B, N, V) of the last call
+    (lazy), which mlx-lm reports with each token."""
+
+    def __init__(self, sampler: Optional[Callable] = None, logits_processors: Optional[Sequence[Callable]] = None):
+        self.sampler = sampler
+        self.processors = list(logits_processors or ())
+        self.last_logprobs: Optional[mx.array] = None
+
+    @property
+    def reads_tokens(self) -> bool:
+        return bool(self.processors)
+
+    def is_sampled(self, row: int) -> bool:
+        return self.sampler is not None
+
+    def process(self, logits: mx.array, history: TokenHistory) -> mx.array:
+        """The processors applied at every node: (B, N, V) -> (B, N, V)."""
+        if not self.processors:
+            return logits
+        rows = []
+        for b, paths in enumerate(node_paths(history)):
+            nodes = []
+            for j, path in enumerate(paths):
+                node = logits[b, j][None]
+                tokens = mx.array(path, mx.int32)
+                for processor in self.processors:
+                    node = processor(tokens, node)
+                nodes.append(node[0])
+            rows.append(mx.stack(nodes))
+        return mx.stack(rows)
+
+    def __call__(self, logits: mx.array, history: TokenHistory, logprobs: Optional[int] = None):
+        logits = self.process(logits, history)
+        batch, nodes, vocab = logits.shape
+        log_probs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        if self.sampler is None:
+            choice = mx.argmax(log_probs, axis=-1)
+        else:
+            choice = self.sampler(log_probs.reshape(batch * nodes, vocab)).reshape(batch, nodes)
+        self.last_logprobs = log_probs
+        return choice if logprobs is None else (choice, *top_logprobs(log_probs.astype(mx.float32), choice, logprobs))

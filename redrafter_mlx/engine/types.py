@@ -12,6 +12,7 @@ from ..drafting.budget import AcceptanceStats
 from ..drafting.datastore import Datastore
 from ..drafting.drafter import Drafter
 from .base_model import BaseModel
+from .prompt_cache import PromptCache
 
 
 @dataclass
@@ -38,6 +39,12 @@ class ReDrafter:
     datastore: Optional[Datastore] = field(default=None, repr=False, compare=False)
     answers: Optional[AnswerStore] = field(default=None, repr=False, compare=False)
     generation_config: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def make_cache(self) -> PromptCache:
+        """An empty prompt cache: what mlx-lm's ``make_prompt_cache(model)``
+        returns for this pair, so that an app written for mlx-lm passes it
+        unchanged."""
+        return PromptCache()
 
 
 @dataclass
@@ -102,6 +109,8 @@ class StepOutput:
     logprobs: per token, (its log-probability, [(token id, log-probability)
         of the most likely alternatives]), when the token choice reports
         them (``SamplingSettings.logprobs``).
+    stop_token: the end-of-sequence token that ended the row ("stop"),
+        which ``tokens`` leaves out.
     """
 
     row: int
@@ -111,3 +120,4 @@ class StepOutput:
     hidden: Optional[np.ndarray] = None
     num_nodes: Optional[int] = None
     logprobs: Optional[list] = None
+    stop_token: Optional[int] = None

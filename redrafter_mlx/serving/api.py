@@ -1,6 +1,8 @@
-"""The text-level Python API, in the style of mlx-lm: ``stream_generate``
-yields a response per ReDrafter step, ``generate`` returns the text,
-``batch_generate`` runs several prompts together."""
+"""The step-level text API that the command line, the chat and the
+benchmarks run on: ``stream_steps`` yields a response per ReDrafter step,
+with what the step did; ``batch_steps`` runs several prompts together and
+reports each one's steps. ``encode_prompt`` makes token ids as mlx-lm's
+generate command does. Apps use mlx-lm's own API (``serving.generate``)."""
 
 import time
 from dataclasses import dataclass
@@ -18,8 +20,8 @@ from ..errors import UserError
 
 
 @dataclass
-class GenerationResponse:
-    """One ReDrafter step of :func:`stream_generate`.
+class StepResponse:
+    """One ReDrafter step of :func:`stream_steps`.
 
     text: the new segment of decoded text (may be empty).
     tokens: the token ids this step produced (accepted drafts + bonus).
@@ -76,7 +78,7 @@ def encode_prompt(tokenizer, prompt: Union[str, Sequence], chat_template: bool =
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-def stream_generate(
+def stream_steps(
     redrafter: ReDrafter,
     tokenizer,
     prompt: Union[str, Sequence[int]],
@@ -87,7 +89,7 @@ def stream_generate(
     profile: Optional[StepProfile] = None,
     prompt_cache: Optional[PromptCache] = None,
     **draft,
-) -> Iterator[GenerationResponse]:
+) -> Iterator[StepResponse]:
     """Generate from one prompt, yielding a response per step. ``draft``:
     the fields of ``DraftSettings`` (beam_width, beam_length, max_nodes,
     lookup, lookup_length, lookup_max_ngram, datastore_beams,
@@ -126,7 +128,7 @@ def stream_generate(
             detokenizer.finalize()
         generated += len(out.tokens)
         elapsed = time.perf_counter() - tic
-        yield GenerationResponse(
+        yield StepResponse(
             text=detokenizer.last_segment,
             tokens=out.tokens,
             num_accepted=out.num_accepted,
@@ -143,28 +145,9 @@ def stream_generate(
         )
 
 
-def generate(redrafter: ReDrafter, tokenizer, prompt, max_tokens: int = 256, verbose: bool = False, **kwargs) -> str:
-    """Generate and return the whole text; with ``verbose``, stream it to
-    stdout and print speed figures."""
-    text, last = "", None
-    for last in stream_generate(redrafter, tokenizer, prompt, max_tokens, **kwargs):
-        text += last.text
-        if verbose:
-            print(last.text, end="", flush=True)
-    if verbose and last is not None:
-        print()
-        print("=" * 10)
-        print(f"Prompt: {last.prompt_tokens} tokens, {last.prompt_tps:.3f} tokens-per-sec")
-        print(f"Generation: {last.generation_tokens} tokens, {last.generation_tps:.3f} tokens-per-sec")
-        if last.steps:
-            print(f"Steps: {last.steps}, {last.step_tokens / last.steps:.2f} tokens per step")
-        print(f"Peak memory: {last.peak_memory:.3f} GB")
-    return text
-
-
 @dataclass
 class BatchResult:
-    """One prompt's result from :func:`batch_generate`."""
+    """One prompt's result from :func:`batch_steps`."""
 
     text: str
     tokens: list
@@ -180,7 +163,7 @@ class BatchResult:
         return self.step_tokens / self.steps if self.steps else 0.0
 
 
-def batch_generate(
+def batch_steps(
     redrafter: ReDrafter,
     tokenizer,
     prompts: Sequence[Union[str, Sequence[int]]],

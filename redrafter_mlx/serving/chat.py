@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from ..engine.prompt_cache import make_prompt_cache
 from ..engine.sampling import SamplingSettings
-from .api import encode_prompt, stream_generate
+from .api import encode_prompt, stream_steps
 
 # What chat samples with when neither the user nor the model says otherwise:
 # greedy decoding of a small model soon repeats itself, so a chat samples, as
@@ -71,7 +71,7 @@ def answer(
     tic = time.perf_counter()
     try:
         prompt_ids = encode_prompt(tokenizer, messages)
-        for response in stream_generate(redrafter, tokenizer, prompt_ids, max_tokens, prompt_cache=prompt_cache, **generation):
+        for response in stream_steps(redrafter, tokenizer, prompt_ids, max_tokens, prompt_cache=prompt_cache, **generation):
             if stop is not None and stop.is_set():
                 raise KeyboardInterrupt
             if response.num_accepted is None:

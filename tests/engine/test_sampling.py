@@ -9,14 +9,13 @@ from collections import Counter
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import CHAT_PROMPT, CHAT_SETTINGS, OracleDrafter, processed_probs, run_cli, tiny_drafter, tiny_model
-from scipy.stats import chisquare
+from conftest import CHAT_PROMPT, CHAT_SETTINGS, OracleDrafter, assert_same_distribution, processed_probs, run_cli, tiny_drafter, tiny_model
 
 from redrafter_mlx.engine.autoregressive import autoregressive_steps
 from redrafter_mlx.engine import calibrate
 from redrafter_mlx.engine.base_model import BaseModel
 from redrafter_mlx.errors import UserError
-from redrafter_mlx.serving.api import batch_generate
+from redrafter_mlx.serving.api import batch_steps
 from redrafter_mlx.drafting.cost import CostCurve
 from redrafter_mlx.drafting.settings import DraftSettings
 from redrafter_mlx.engine.decoder import generate_steps
@@ -66,23 +65,6 @@ def exact_distribution(base, settings):
     p3 = processed_probs(base.model(prefixes2)[:, -1], settings).reshape(VOCAB, VOCAB, VOCAB)
     joint = p1[:, None, None] * p2[:, :, None] * p3
     return joint, (p1, p2, p3)
-
-
-def assert_same_distribution(counts, joint, min_p=1e-3):
-    """Chi-square goodness of fit, merging cells expected below 5; any
-    sample in a cell of probability 0 fails."""
-    total = counts.sum()
-    expected = joint.ravel() * total
-    observed = counts.ravel().astype(float)
-    assert observed[expected == 0].sum() == 0, "samples outside the distribution's support"
-    small = (expected < 5) & (expected > 0)
-    exp = np.append(expected[expected >= 5], expected[small].sum())
-    obs = np.append(observed[expected >= 5], observed[small].sum())
-    if not small.any():
-        exp, obs = exp[:-1], obs[:-1]
-    p_value = chisquare(obs, exp * obs.sum() / exp.sum()).pvalue
-    assert p_value > min_p, p_value
-    return p_value
 
 
 def draft_settings(mode, shape):
@@ -261,9 +243,9 @@ def test_copies_of_one_prompt_across_chunks_sample_the_exact_distribution(chat_m
     randomness (its index in the input list), so the first two tokens follow
     the base model's distribution."""
     model, drafter, _, exact, _ = chat_model
-    redrafter, tokenizer = load(model, drafter)
+    redrafter, tokenizer = load(model, drafter=drafter)
     choose = make_chooser(SamplingSettings(**CHAT_SETTINGS[index], seed=5))
-    results = batch_generate(redrafter, tokenizer, [CHAT_PROMPT] * SAMPLES, 2, batch_size=500, beam_width=shape[0], beam_length=shape[1], max_nodes=shape[0] * (shape[1] - 1), choose=choose)
+    results = batch_steps(redrafter, tokenizer, [CHAT_PROMPT] * SAMPLES, 2, batch_size=500, beam_width=shape[0], beam_length=shape[1], max_nodes=shape[0] * (shape[1] - 1), choose=choose)
     assert sum(r.step_tokens for r in results) > 1.3 * sum(r.steps for r in results)  # drafts are accepted
     joint = copies_exact_distribution(exact[index])
     assert_same_distribution(pair_counts([r.tokens for r in results], len(joint)), joint)

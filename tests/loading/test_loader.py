@@ -32,7 +32,7 @@ def model_folder(tmp_path_factory):
 
 def test_folder_model_loads_and_generates(model_folder, tmp_path):
     save_drafter(Drafter(DrafterArgs(vocab_size=49152, hidden_size=64, exit_dim=32)), str(tmp_path / "d"))
-    redrafter, tokenizer = load(str(model_folder), str(tmp_path / "d"))
+    redrafter, tokenizer = load(str(model_folder), drafter=str(tmp_path / "d"))
     assert redrafter.base.hidden_size == 64 and redrafter.base.max_context == 2048
     text = generate(redrafter, tokenizer, "Hello", max_tokens=8, beam_width=2, beam_length=3)
     assert isinstance(text, str)
@@ -47,7 +47,7 @@ def test_a_loaded_model_generates_on_another_thread(model_folder, tmp_path):
     drafter = Drafter(DrafterArgs(vocab_size=49152, hidden_size=64, exit_dim=32))
     drafter.set_dtype(mx.float16)
     save_drafter(drafter, str(tmp_path / "d16"))
-    redrafter, tokenizer = load(str(model_folder), str(tmp_path / "d16"))
+    redrafter, tokenizer = load(str(model_folder), drafter=str(tmp_path / "d16"))
     results = []
     worker = threading.Thread(target=lambda: results.append(generate(redrafter, tokenizer, "Hello", max_tokens=8, max_nodes=4)))
     worker.start()
@@ -121,7 +121,7 @@ def test_a_drafter_given_by_hub_id_loads_from_the_hugging_face_cache(model_folde
 
     saved = random_drafter(tmp_path / "saved", seed=3)
     hub_cache(offline_hub, "org/name", saved)
-    redrafter, tokenizer = load(str(model_folder), "org/name")
+    redrafter, tokenizer = load(str(model_folder), drafter="org/name")
     assert redrafter.drafter_identity == drafter_identity(saved)
     expected = dict(tree_flatten(load_drafter(saved).parameters()))
     for name, value in tree_flatten(redrafter.drafter.parameters()):
@@ -131,13 +131,13 @@ def test_a_drafter_given_by_hub_id_loads_from_the_hugging_face_cache(model_folde
     # A local folder of the same name wins over the Hub.
     monkeypatch.chdir(tmp_path)
     local = random_drafter(tmp_path / "org" / "name", seed=4)
-    assert load(str(model_folder), "org/name")[0].drafter_identity == drafter_identity(local) != drafter_identity(saved)
+    assert load(str(model_folder), drafter="org/name")[0].drafter_identity == drafter_identity(local) != drafter_identity(saved)
 
 
 def test_a_hub_drafter_that_cannot_be_had_is_one_clear_error(model_folder, tmp_path, offline_hub):
     def error(drafter):
         with pytest.raises(UserError) as caught:
-            load(str(model_folder), drafter)
+            load(str(model_folder), drafter=drafter)
         assert "\n" not in str(caught.value)
         return str(caught.value)
 
@@ -172,7 +172,7 @@ def test_generate_takes_a_hub_drafter_from_the_command_line(model_folder, tmp_pa
 def test_a_drafter_made_for_another_model_of_the_same_sizes_is_loaded_with_a_warning(model_folder, tmp_path, capsys):
     save_drafter(Drafter(DrafterArgs(vocab_size=49152, hidden_size=64, exit_dim=32)), str(tmp_path / "d"),
                  {"base_model": {"name": "another-model", "identity": "0123456789abcdef"}})
-    redrafter, _ = load(str(model_folder), str(tmp_path / "d"))
+    redrafter, _ = load(str(model_folder), drafter=str(tmp_path / "d"))
     err = capsys.readouterr().err
     assert redrafter.drafter is not None
     assert f"warning: drafter {tmp_path / 'd'} was made for another-model (identity 0123456789abcdef)" in err

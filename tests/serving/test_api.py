@@ -58,7 +58,7 @@ def test_the_cost_curve_is_measured_before_the_clock_and_once_per_machine(chat_m
 
     from redrafter_mlx.engine import calibrate
     from redrafter_mlx.loading.loader import load
-    from redrafter_mlx.serving.api import stream_generate
+    from redrafter_mlx.serving.generate import stream_generate
 
     monkeypatch.setenv("REDRAFTER_MLX_CACHE", str(tmp_path))
     measured = []
@@ -71,7 +71,7 @@ def test_the_cost_curve_is_measured_before_the_clock_and_once_per_machine(chat_m
 
     monkeypatch.setattr(calibrate, "measure", slow_measure)
     monkeypatch.setattr(calibrate, "cost_curve", measured_cost_curve)
-    redrafter, tokenizer = load(chat_model[0], chat_model[1])
+    redrafter, tokenizer = load(chat_model[0], drafter=chat_model[1])
     tic = time.perf_counter()
     for first in stream_generate(redrafter, tokenizer, "w1 w2", max_tokens=48):
         pass
@@ -92,5 +92,5 @@ def test_the_readme_quickstart_shows_what_batch_generate_returns():
 
     readme = open(os.path.join(ROOT, "README.md")).read()
     block = re.search(r"## Quickstart.*?```python\n(.*?)```", readme, re.S).group(1)
-    assert "results = redrafter_mlx.batch_generate(" in block
-    assert re.search(r"for result in results:\n\s+print\(result\.text\)", block)
+    assert "results = batch_generate(" in block
+    assert re.search(r"for text in results\.texts:\n\s+print\(text\)", block)

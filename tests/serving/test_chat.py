@@ -67,7 +67,7 @@ def test_each_conversation_answered_is_logged(chat_model, tmp_path):
     from redrafter_mlx.loading.loader import load
     from redrafter_mlx.serving.prompts import PromptLog, read_prompts
 
-    redrafter, tokenizer = load(chat_model[0], chat_model[1])
+    redrafter, tokenizer = load(chat_model[0], drafter=chat_model[1])
     lines = iter(["w1 w2", "/stats", "", "w3", "/reset", "w4"])
 
     def read(_):
@@ -96,7 +96,7 @@ def test_a_recorded_ctrl_c_ends_the_answer_at_the_next_step(chat_model):
     from redrafter_mlx.serving.chat import answer
     from redrafter_mlx.loading.loader import load
 
-    redrafter, tokenizer = load(chat_model[0], chat_model[1])
+    redrafter, tokenizer = load(chat_model[0], drafter=chat_model[1])
     messages = [{"role": "user", "content": "w1 w2"}]
     _, full, interrupted = answer(redrafter, tokenizer, messages, 24, lambda segment: None)
     assert not interrupted and full.steps > 1
@@ -116,14 +116,14 @@ def test_chat_samples_with_the_models_recommendation_else_local_chat_defaults(ch
 
     model = tmp_path / "model"
     shutil.copytree(chat_model[0], model)
-    redrafter, _ = load(str(model), "none")
+    redrafter, _ = load(str(model), drafter="none")
     assert redrafter.generation_config == {}
     plain = chat_sampling(redrafter.generation_config)
     assert (plain.temp, plain.top_p, plain.top_k) == (0.7, 0.9, 0)
     assert chat_sampling({}, temp=0.0).temp == 0.0  # --temp 0 is greedy
 
     (model / "generation_config.json").write_text(json.dumps({"do_sample": True, "temperature": 0.6, "top_p": 0.95, "top_k": 20, "eos_token_id": 2}))
-    redrafter, _ = load(str(model), "none")
+    redrafter, _ = load(str(model), drafter="none")
     recommended = chat_sampling(redrafter.generation_config)
     assert (recommended.temp, recommended.top_p, recommended.top_k, recommended.min_p) == (0.6, 0.95, 20, 0.0)
     given = chat_sampling(redrafter.generation_config, temp=1.0, top_p=None, seed=3)
@@ -163,7 +163,7 @@ def test_an_answer_cut_by_max_tokens_is_marked(chat_model):
     from redrafter_mlx.loading.loader import load
     from redrafter_mlx.serving.chat import chat_loop
 
-    redrafter, tokenizer = load(chat_model[0], chat_model[1])
+    redrafter, tokenizer = load(chat_model[0], drafter=chat_model[1])
     read, _ = scripted(["w1 w2"])
     shown = []
     chat_loop(redrafter, tokenizer, 3, read=read, write=lambda *a, **k: shown.append("".join(map(str, a))), dim=lambda t: f"<{t}>")

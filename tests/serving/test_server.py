@@ -551,7 +551,7 @@ def test_a_client_that_leaves_while_its_long_prompt_is_prefilled_frees_its_slot_
         yield from layers(self)
 
     monkeypatch.setattr(Prefill, "layers", slow_layers)
-    redrafter, tokenizer = load(chat_model[0], chat_model[1], dtype=None)
+    redrafter, tokenizer = load(chat_model[0], drafter=chat_model[1], dtype=None)
     renderer = ChatRenderer(tokenizer)
     scheduler = Scheduler(redrafter, renderer.eos_token_ids, DraftSettings(), max_batch=2)
     scheduler.decoder.prefill_step_size = 64
