@@ -31,7 +31,9 @@ from redrafter_mlx.errors import UserError
 from redrafter_mlx.training.replay import (
     accepted_lengths, datastore_lengths, in_vocabulary_lengths, load_greedy_folder, lookup_lengths, step_figures, tokens_per_step, with_continuation,
 )
-from redrafter_mlx.training.train import TrainConfig, build_positions, cached_positions, draft_index_map, draft_targets, drafter_loss
+from redrafter_mlx.training.config import TrainConfig
+from redrafter_mlx.training.data import build_positions, cached_positions, draft_index_map, draft_targets
+from redrafter_mlx.training.trainer import drafter_loss
 
 
 def teacher_forced_accuracy(drafter, draft_token_ids, embed, hidden, windows, vocab_size, batch_size=2048):

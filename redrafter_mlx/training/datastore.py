@@ -9,7 +9,9 @@ from ..drafting.datastore import Datastore
 from ..drafting.drafter import CONFIG_FILE, DrafterArgs, read_config
 from ..errors import UserError
 from .distill import Sequences, data_folders
-from .train import TrainConfig, held_out_sequences, refresh_card_datastore
+from .card import refresh_card_datastore
+from .config import TrainConfig
+from .data import held_out_sequences
 
 
 def add_datastore(drafter: str, data: list) -> tuple[Path, int, int]:

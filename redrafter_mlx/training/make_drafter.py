@@ -142,7 +142,7 @@ def measure_rates(base, tokenizer, texts: list, chat: bool, exit_dim: int, draft
     from ..drafting.drafter import Drafter, DrafterArgs
     from ..engine.autoregressive import autoregressive_steps
     from ..serving.api import encode_prompt
-    from .train import drafter_loss
+    from .trainer import drafter_loss
 
     prompts = [encode_prompt(tokenizer, t, chat_template=chat) for t in (texts * 64)[:64]]
     for _ in autoregressive_steps(base, prompts[:2], max_tokens=4):  # warm-up: kernels, allocations
@@ -287,7 +287,7 @@ def explicit_plan(path: str, model: Optional[str], dtype: Optional[str]) -> dict
     is shown in the model card. ``bench/train_default_drafter.sh`` writes one."""
     from ..loading.loader import load_base_model
 
-    from .train import TrainConfig
+    from .config import TrainConfig
 
     try:
         plan = json.loads(Path(path).read_text())
@@ -390,9 +390,13 @@ def make_drafter(output: str, model: Optional[str] = None, *, say=print, workers
 
     from ..drafting.drafter import CONFIG_FILE, WEIGHTS_FILE, load_drafter, read_config, save_drafter
     from ..engine.sampling import SamplingSettings
+    from ..loading.loader import MODEL_CARD_FILE
+    from .card import model_card
+    from .checkpoints import publish
+    from .config import TrainConfig
     from .datastore import add_datastore
     from .distill import distill_command
-    from .train import MODEL_CARD_FILE, TrainConfig, model_card, publish, train_drafter
+    from .train import train_drafter
 
     command = options.pop("command", None)
     plan = load_or_make_plan(output, model, say=say, **options)
@@ -440,7 +444,7 @@ def make_drafter(output: str, model: Optional[str] = None, *, say=print, workers
 
     def train():
         from .distill import DataFolder
-        from .train import cached_positions
+        from .data import cached_positions
 
         # A batch never larger than half the positions there are (a tiny run's).
         positions = sum(int(cached_positions(DataFolder(f).load()).sum()) for f in folders)
@@ -485,7 +489,7 @@ def adopt_old_layout(output: str, work: Path, done: dict) -> Path:
     A run begun when training wrote into ``OUTPUT`` itself has its drafter
     and its training state moved there first."""
     from ..drafting.drafter import CONFIG_FILE
-    from .train import training_state_folder
+    from .checkpoints import training_state_folder
 
     staged = work / DRAFTER_DIR
     out = Path(output)

@@ -22,7 +22,7 @@ from ..errors import UserError
 from ..loading.loader import load_base_model
 from .distill import DataFolder, Sequences
 from ..drafting.lookup import LookupIndex
-from .train import cached_positions, compute_hidden_cache
+from .data import cached_positions, compute_hidden_cache
 
 
 def load_greedy_folder(data: str, model: Optional[str] = None) -> tuple[BaseModel, Sequences, np.ndarray]:

@@ -17,7 +17,7 @@ from redrafter_mlx.drafting.datastore import Datastore
 from redrafter_mlx.training.distill import Sequences
 from redrafter_mlx.training.replay import accepted_lengths, count_steps, datastore_lengths, in_vocabulary_lengths, load_greedy_folder, lookup_depths, lookup_lengths, step_figures, tokens_per_step, with_continuation
 from redrafter_mlx.engine.sampling import SamplingSettings
-from redrafter_mlx.training.train import build_positions, cached_positions, compute_hidden_cache
+from redrafter_mlx.training.data import build_positions, cached_positions, compute_hidden_cache
 
 PROMPTS = [[5, 17, 42, 99, 3], [250, 7, 18], [1, 2, 3, 4, 5, 6, 7, 8, 9], [77, 66]]
 

@@ -35,7 +35,7 @@ from redrafter_mlx.drafting.lookup import LookupIndex
 from redrafter_mlx.drafting.settings import DraftSettings
 from redrafter_mlx.drafting.tree import beam_drafts, candidate_tree, datastore_drafts, lookup_drafts, prune
 from redrafter_mlx.training.replay import load_greedy_folder
-from redrafter_mlx.training.train import build_positions, cached_positions
+from redrafter_mlx.training.data import build_positions, cached_positions
 
 SHIPPED = "redrafter_mlx/drafters/smollm2-135m-instruct"
 
