@@ -94,7 +94,7 @@ def lookup_depths(sequence: list, first: int, count: int, depth: int, max_ngram:
 
 def lookup_lengths(sequences: Sequences, keep: np.ndarray, depth: int) -> np.ndarray:
     """``lookup_depths`` at each position of the sequences ``keep`` (n,)
-    selects, in order (as ``train.build_positions`` orders positions)."""
+    selects, in order (as ``data.build_positions`` orders positions)."""
     counts = cached_positions(sequences)
     starts = np.concatenate([[0], np.cumsum(sequences.lengths)[:-1]])
     parts = [
