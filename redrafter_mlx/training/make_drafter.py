@@ -484,7 +484,7 @@ def make_drafter(output: str, model: Optional[str] = None, *, say=print, workers
 
 def adopt_old_layout(output: str, work: Path, done: dict) -> Path:
     """The folder the drafter is made in: ``OUTPUT.make/drafter``, moved
-    into ``OUTPUT`` only once it is finished (``train.publish``), so that a
+    into ``OUTPUT`` only once it is finished (``checkpoints.publish``), so that a
     run killed at any moment leaves no ``OUTPUT`` that loads as a drafter.
     A run begun when training wrote into ``OUTPUT`` itself has its drafter
     and its training state moved there first."""
@@ -515,7 +515,7 @@ def measure_speed(output: str, model: Optional[str], dtype: Optional[str], held_
     from ..serving.api import encode_prompt
     from ..serving.prompts import read_prompts
 
-    redrafter, tokenizer = load(model, output, dtype=dtype)
+    redrafter, tokenizer = load(model, drafter=output, dtype=dtype)
     chat = plan["kind"] == "chat"
     prompts = [encode_prompt(tokenizer, t, chat_template=chat) for t in read_prompts(str(held_out))][: plan["measure"]["prompts"]]
     curve = benchmark.calibration(redrafter, 1)
