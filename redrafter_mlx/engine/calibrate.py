@@ -7,7 +7,7 @@ by machine, model, dtype, batch size and beam shape."""
 import statistics
 import sys
 import time
-from typing import Callable, Optional
+from typing import Callable, Optional, Protocol
 
 import mlx.core as mx
 import numpy as np
@@ -17,6 +17,17 @@ from ..drafting.cost import CONTEXT, LONG_CONTEXT, LONG_SIZES, SIZES, CostCurve,
 from .prefill import prefill
 from .recurrent import RecurrentCache
 from .types import ReDrafter
+
+
+class StepCostMeter(Protocol):
+    """Measures what the engine's own steps cost besides their passes, by
+    running them (``decoder.fixed_costs``): given a prefilled ``curve``'s
+    ``prompts`` and ``pass_seconds(n)``, which times one tree pass of ``n``
+    tokens there and then (so that each step can be held against a pass
+    timed beside it), returns (seconds a drafting step costs besides its
+    pass, seconds of one pipelined plain token)."""
+
+    def __call__(self, redrafter: ReDrafter, prompts: list, curve: CostCurve, pass_seconds: Callable[[int], float]) -> tuple[float, float]: ...
 
 
 def _timed(runs: list, repeats: int) -> list[float]:
@@ -35,7 +46,7 @@ def _timed(runs: list, repeats: int) -> list[float]:
 
 
 def measure(redrafter, batch_size: int, beam_shape: Optional[tuple] = None, repeats: int = 5, sizes=SIZES, tree: bool = True,
-            step_costs: Optional[Callable] = None) -> CostCurve:
+            step_costs: Optional[StepCostMeter] = None) -> CostCurve:
     """Time tree passes of every size in ``sizes`` (a chain tree: per-token
     positions and a tree mask, as verification runs; with ``tree`` False, a
     plain causal chunk of as many tokens instead) after CONTEXT committed
@@ -43,12 +54,8 @@ def measure(redrafter, batch_size: int, beam_shape: Optional[tuple] = None, repe
     context when that is shorter), and one beam search
     of ``beam_shape`` (``beam_search``'s beam_width, beam_length and
     later_rows) when there is a drafter; all of them in turn, ``repeats``
-    times. With ``step_costs(redrafter, prompts,
-    curve, pass_seconds)`` -> (seconds a drafting step costs besides its
-    pass, seconds of a plain token) (the decoder's ``fixed_costs``, which
-    runs real steps), also what the engine's own steps cost;
-    ``pass_seconds(n)`` times one tree pass of ``n`` tokens, there and then,
-    so that each step can be held against a pass timed beside it."""
+    times. With ``step_costs`` (a ``StepCostMeter``), also what the
+    engine's own steps cost besides their passes."""
 
     base = redrafter.base
     # Rows of different tokens, so that a mixture of experts reads as many
@@ -149,7 +156,7 @@ def stored_curve(redrafter: ReDrafter, batch_size: int, beam_shape: Optional[tup
 
 
 def cost_curve(redrafter: ReDrafter, batch_size: int, beam_shape: Optional[tuple] = None, refresh: bool = False,
-               step_costs: Optional[Callable] = None) -> CostCurve:
+               step_costs: Optional[StepCostMeter] = None) -> CostCurve:
     """The cached curve for this machine, model, dtype and batch size, with
     the beam search's cost for ``beam_shape`` and this drafter, and the
     steps' own costs (``step_costs``, see ``measure``); measured when

@@ -20,11 +20,13 @@ nothing: every rank must size its trees alike, and the ranks' clocks differ.
 """
 
 import math
+import time
 from bisect import bisect_left
-from typing import Callable, Optional
+from typing import Optional
 
 from ..drafting.cost import CONTEXT_STEP, CostCurve
 from . import calibrate
+from .calibrate import StepCostMeter
 from .types import ReDrafter
 
 NODE_BUCKETS = (1, 2, 4, 8, 16)  # a step of n nodes per row is kept with the first bucket >= n, or after the last
@@ -33,6 +35,7 @@ CONTEXT_BUCKET = 256  # contexts up to this share a bucket; each bucket after it
 MEMORY = 0.7  # weight of the past in a running ratio
 CLIP = (0.1, 10.0)  # a step's ratio is taken within these bounds (a pause of the process is not the machine)
 MEASURED_BATCH = 1  # the batch size measured when a decoder starts; others start from it
+SHORT_GAP = 0.25  # a pipelined plain token is timed when the caller's work between two steps was under this share of it
 
 
 def node_kind(nodes: int) -> int:
@@ -94,20 +97,24 @@ class StepCosts:
     one (batch 1 is measured when missing; another batch size is measured
     only if asked, ``measure``, else it starts from batch 1's as one row of
     that many times the nodes), at the context, scaled by what steps have
-    shown. ``observe`` tells it a step's seconds. ``fixed``: one curve used
-    as it is, for every batch size and context (tests that must not
-    depend on the machine); None with ``sized`` False (a fixed node count:
-    no curve is used). ``step_costs``: measures what the engine's steps
-    cost besides their passes (``calibrate.measure``)."""
+    shown. ``observe`` tells it a tree step's seconds, ``plain_step`` a
+    plain step's, ``step_returned`` when a step returned to the caller.
+    ``fixed``: one curve used as it is, for every batch size and context
+    (tests that must not depend on the machine); None with ``sized`` False
+    (a fixed node count: no curve is used). ``step_costs``: measures what
+    the engine's steps cost besides their passes when a curve is
+    measured."""
 
     def __init__(self, redrafter: ReDrafter, batch_sizes=(1,), beam_shape: Optional[tuple] = None, fixed: Optional[CostCurve] = None,
-                 sized: bool = True, step_costs: Optional[Callable] = None):
+                 sized: bool = True, step_costs: Optional[StepCostMeter] = None):
         self.redrafter, self.beam_shape, self.fixed, self.sized = redrafter, beam_shape, fixed, sized
         self.batch_sizes = sorted(batch_sizes)
         self.step_costs = step_costs
         self.measured: dict = {}  # batch size -> its measured (or derived) curve
         self.made: dict = {}  # (batch size, context step) -> (learned version, the curve there)
         self.learns = fixed is None and sized and learning(redrafter)
+        self.plain_since: Optional[tuple] = None  # (when, batch size) the last plain step that issued the next pass read its token
+        self.returned = 0.0  # when the last step returned to the caller
 
     def size(self, batch_size: int) -> int:
         """The batch size whose curve a batch of this many rows uses."""
@@ -165,6 +172,28 @@ class StepCosts:
         base = self._base(size).at(context)
         spent = seconds - (base.draft_seconds if searched else 0.0)
         self.learned(size).add(context, node_kind(nodes), spent / (base(nodes) + base.step_seconds))
+
+    def plain_step(self, batch_size: int, context: int, tic: float, seconds: float, searched: bool, consumed: bool, ahead: bool) -> None:
+        """A plain step that began at ``tic`` read its token ``seconds``
+        later (now). consumed: its pass was issued by the step before;
+        ahead: it issued the next step's. A pipelined step's wall time is
+        not its pass's: a step that waits for its own pass (neither) is
+        timed as a step, and pipelined ones from one token read to the
+        next, when the caller's work between the two steps was short beside
+        the pass."""
+        read = time.perf_counter()
+        if not consumed and not ahead:
+            self.observe(batch_size, context, 1, seconds, searched)
+        elif consumed and self.plain_since is not None:
+            since, rows = self.plain_since
+            if rows == batch_size and tic - self.returned < SHORT_GAP * (read - since):
+                self.observe_plain(batch_size, context, read - since)
+        self.plain_since = (read, batch_size) if ahead else None
+
+    def step_returned(self) -> None:
+        """A step returns to the caller now (the caller's work until the
+        next step is no pass's)."""
+        self.returned = time.perf_counter()
 
     def observe_plain(self, batch_size: int, context: int, seconds: float) -> None:
         """A pipelined plain token took ``seconds`` (from one token to the next)."""
