@@ -17,6 +17,7 @@ A tree's accepted path is later copied to ``length[b]``, so a row's
 committed tokens always stay contiguous, with position = index - pad[b].
 """
 
+from abc import ABC, abstractmethod
 from typing import NamedTuple, Optional
 
 import mlx.core as mx
@@ -201,36 +202,98 @@ class CacheLayout:
         return widest - mine, widest - theirs
 
 
-class StepCache:
-    """What the engine asks of one layer's cache, whatever the layer keeps
-    (keys and values: ``TreeKVCache``; a recurrent state:
-    ``recurrent.RecurrentCache``; another rank's layer:
-    ``distributed.SkippedCache``). All of them share the batch's
-    ``CacheLayout``, which the model reads positions and masks from."""
+class StepCache(ABC):
+    """One layer's cache, whatever the layer keeps: keys and values
+    (``TreeKVCache``), a recurrent state (``recurrent.RecurrentCache``), or
+    nothing, for a layer another rank runs (``distributed.SkippedCache``).
+    All the caches of a batch share its ``CacheLayout`` (``layout``, set by
+    each concrete cache's constructor), which positions and masks come from.
+
+    This declares everything asked of one layer's cache: by the model (an
+    unmodified mlx-lm model calls ``offset``, ``make_mask`` and
+    ``update_and_fetch`` as on its own caches; it may ask any layer's cache
+    for a mask, as gemma3 does by index) and by the engine
+    (``commit_path``, ``filter``, ``extend``, ``rows_kv``,
+    ``state_arrays``). Every concrete cache implements every member; where
+    its kind of layer is never asked for one, it refuses with an error
+    saying why.
+
+    Beyond this, mlx-lm's recurrent layers use their cache as an
+    ``ArraysCache`` (``cache[i]`` reads and writes the i-th state array,
+    ``lengths``, ``advance``): ``RecurrentCache`` is one, and no other
+    layer asks that of its cache. mlx-lm also asks whether a cache has
+    ``bits`` (a quantized cache, whose keys and values come packed): none
+    has, so attention gets plain arrays. Shapes below: B rows, a block of
+    N tokens, ``start`` = ``layout.start``.
+    """
 
     layout: CacheLayout
 
+    # -- what the model asks --------------------------------------------------
+
+    @property
+    @abstractmethod
+    def offset(self):
+        """The positions RoPE gives the block being fed (the layout's
+        ``offset``): in a prefill chunk, the position of its first token,
+        an int at batch 1 or (B,) int32 per row; in a tree, (B, N) int32,
+        each token's position (its row's length, less padding, plus the
+        token's depth)."""
+
+    @abstractmethod
+    def make_mask(self, num_tokens: int, return_array: bool = False, window_size: Optional[int] = None) -> Optional[mx.array]:
+        """The mask for a block of ``num_tokens`` tokens, as mlx-lm's mask
+        builders ask for it. For attention (``create_attention_mask``):
+        (B, 1, N, start + N - layout.window_start(window_size)) bool, which
+        keys each query sees of those an attention layer with that window
+        (None: none) reads, in the order ``update_and_fetch`` returns
+        them; None where a single prefill token sees every key, unless
+        ``return_array``. For a recurrent layer (``create_ssm_mask``, which
+        passes ``num_tokens`` alone): (B, N) bool, which tokens of a
+        prefill chunk are not left padding, or None where all are."""
+
+    @abstractmethod
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """An attention layer's keys (B, kv_heads, N, key_dim) and values
+        (B, kv_heads, N, value_dim) for the block being fed, stored at
+        positions ``start .. start + N``; returns the keys and values the
+        layer attends to, (B, kv_heads, S, dim) each, with S = start + N -
+        ``layout.window_start(window)`` (every key before the block,
+        committed, padding or junk, which ``make_mask`` hides, then the
+        block's)."""
+
+    # -- what the engine asks -------------------------------------------------
+
+    @abstractmethod
     def commit_path(self, path: np.ndarray, accepted: np.ndarray) -> None:
         """After a verified block: keep each row's root and accepted nodes,
         the packed block indices ``path[b, : accepted[b] + 1]`` (host
-        arrays (B, P) and (B,)), as the row's next committed tokens."""
-        raise NotImplementedError
+        arrays (B, P) and (B,)), as the row's next committed tokens,
+        before the layout advances the rows (``CacheLayout.commit``)."""
 
+    @abstractmethod
     def filter(self, rows: mx.array, trim: int) -> None:
-        """Keep the batch rows ``rows``, without their first ``trim`` positions."""
-        raise NotImplementedError
+        """Keep the batch rows ``rows`` (K,) int, in that order, without
+        their first ``trim`` positions (padding every kept row has; see
+        ``CacheLayout.filter``)."""
 
+    @abstractmethod
     def extend(self, other: "StepCache", length: int, other_length: int, pad: int, other_pad: int) -> None:
-        """Append another batch's rows (see ``extend_batch``)."""
-        raise NotImplementedError
+        """Append the rows of another batch's cache of the same layer: each
+        side holds ``length`` / ``other_length`` positions, and is moved
+        right by ``pad`` / ``other_pad`` (see ``extend_batch``)."""
 
+    @abstractmethod
     def rows_kv(self, row: int, begin: int, end: int) -> tuple:
-        """What a prompt cache keeps of one row's positions ``begin .. end``."""
-        raise NotImplementedError
+        """What a prompt cache keeps of one row whose committed tokens are
+        buffer positions ``begin .. end``: keys and values (1, kv_heads,
+        end - begin, dim) each, or (the state arrays, (1, ...) each, None)
+        for a recurrent layer, whose state sums up those tokens."""
 
+    @abstractmethod
     def state_arrays(self) -> list:
-        """The arrays to evaluate so that the cache holds what was fed."""
-        raise NotImplementedError
+        """The arrays to evaluate so that the cache holds what was fed
+        (empty when it keeps none)."""
 
 
 class TreeKVCache(StepCache):
@@ -251,10 +314,10 @@ class TreeKVCache(StepCache):
     def offset(self):
         return self.layout.offset
 
-    def make_mask(self, num_tokens: int, return_array: bool = False, window_size=None):
+    def make_mask(self, num_tokens: int, return_array: bool = False, window_size: Optional[int] = None) -> Optional[mx.array]:
         return self.layout.mask(num_tokens, window_size, return_array)
 
-    def update_and_fetch(self, keys: mx.array, values: mx.array):
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         start, num_tokens = self.layout.start, keys.shape[2]
         end = start + num_tokens
         if self.keys is None or end > self.keys.shape[2]:

@@ -55,7 +55,7 @@ import numpy as np
 
 from ..blas import blas_name
 from ..errors import UserError
-from .cache import TreeKVCache
+from .cache import CacheLayout, StepCache
 from .recurrent import takes_cache
 
 SPLITS = ("pipeline", "tensor")
@@ -386,18 +386,40 @@ class Skip(nn.Module):
         return x
 
 
-class SkippedCache(TreeKVCache):
-    """The cache of a ``Skip`` layer: never written, nothing to commit. It
-    still answers for the layout (a model may build its masks from it)."""
+class SkippedCache(StepCache):
+    """The cache of a ``Skip`` layer, one another rank runs: it keeps
+    nothing, is never written and has nothing to commit, but still answers
+    for the layout, as the model may read positions and masks from any
+    layer's cache (gemma3 reads them by index)."""
 
-    def commit_path(self, path, accepted) -> None:
-        pass
+    # No keys and values, as an attention layer's cache not yet fed (what
+    # code that copies a batch's caches reads, as ``calibrate`` does).
+    keys = values = None
 
-    def filter(self, rows, trim) -> None:
-        pass
+    def __init__(self, layout: CacheLayout):
+        self.layout = layout
 
-    def extend(self, *args) -> None:
-        pass
+    @property
+    def offset(self):
+        return self.layout.offset
+
+    def make_mask(self, num_tokens: int, return_array: bool = False, window_size: Optional[int] = None) -> Optional[mx.array]:
+        return self.layout.mask(num_tokens, window_size, return_array)
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        raise RuntimeError("a layer another rank runs was run on this rank")
+
+    def commit_path(self, path: np.ndarray, accepted: np.ndarray) -> None:
+        """Nothing kept, nothing to move."""
+
+    def filter(self, rows: mx.array, trim: int) -> None:
+        """Nothing kept, no rows to drop."""
+
+    def extend(self, other: StepCache, length: int, other_length: int, pad: int, other_pad: int) -> None:
+        """Nothing kept, no rows to add."""
+
+    def rows_kv(self, row: int, begin: int, end: int) -> tuple:
+        raise RuntimeError("a layer another rank runs keeps nothing for a prompt cache (a split model keeps no prompt caches)")
 
     def state_arrays(self) -> list:
         return []

@@ -54,10 +54,20 @@ class RecurrentCache(ArraysCache, StepCache):
         self.before: Optional[list] = None
         self.recorded = None  # (module, bound arguments, name of the input argument)
 
-    def make_mask(self, num_tokens: int):
+    @property
+    def offset(self):
+        """The layout's positions (a recurrent layer itself reads none)."""
+        return self.layout.offset
+
+    def make_mask(self, num_tokens: int, return_array: bool = False, window_size: Optional[int] = None) -> Optional[mx.array]:
         """(B, N) bool, which tokens of a prefill chunk are real (not left
-        padding); None when all are, and always for a chain."""
+        padding); None when all are, and always for a chain. (mlx-lm's
+        ``create_ssm_mask`` passes ``num_tokens`` alone.)"""
         return self.layout.padding_mask(num_tokens)
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        """A recurrent layer keeps no keys and values: refused."""
+        raise TypeError("a recurrent layer's cache keeps no keys and values; an attention layer was given a recurrent layer's cache")
 
     def advance(self, num_tokens: int) -> None:
         """Positions are the layout's: nothing to move."""
@@ -96,6 +106,7 @@ class RecurrentCache(ArraysCache, StepCache):
         self.before = self.recorded = None
 
     def filter(self, rows: mx.array, trim: int) -> None:
+        """Keep ``rows`` (states have no positions to trim)."""
         self.cache = [None if a is None else a[rows] for a in self.cache]
 
     def extend(self, other: "RecurrentCache", *positions) -> None:
@@ -108,6 +119,7 @@ class RecurrentCache(ArraysCache, StepCache):
         return tuple(a[row : row + 1] for a in self.cache), None
 
     def state_arrays(self) -> list:
+        """The state arrays (none before the layer is first fed)."""
         return [a for a in self.cache if a is not None]
 
 

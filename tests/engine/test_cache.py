@@ -1,10 +1,26 @@
 """The tree KV cache on hand-made contents: each stored vector is its own
-label, so what moved where can be read back directly."""
+label, so what moved where can be read back directly. And the contract of
+one layer's cache (``StepCache``): every cache implements all of it, and it
+holds all that mlx-lm's models ask of their caches."""
+
+import inspect
+import sys
 
 import mlx.core as mx
 import numpy as np
+import pytest
+from conftest import tiny_model
 
-from redrafter_mlx.engine.cache import STEP, CacheLayout, TreeKVCache, extend_batch
+from redrafter_mlx.engine.base_model import BaseModel
+from redrafter_mlx.engine.cache import (
+    STEP,
+    CacheLayout,
+    StepCache,
+    TreeKVCache,
+    extend_batch,
+)
+from redrafter_mlx.engine.distributed import Skip, SkippedCache
+from redrafter_mlx.engine.recurrent import RecurrentCache
 
 HEADS, DIM = 2, 3
 
@@ -115,3 +131,81 @@ def test_the_mask_hides_padding_and_another_rows_junk():
     assert mask[0, 1].tolist() == [False, True, True, True, True, True, True]  # padding hidden
     assert mask[1, 0].tolist() == [True, True, True, True, False, True, False]  # junk at 4 hidden
     assert layout.offset.tolist() == [[4, 5], [4, 5]]  # per-token positions: length - padding + depth
+
+
+# -- the contract ---------------------------------------------------------------
+
+DECLARED = StepCache.__abstractmethods__
+CACHES = [TreeKVCache, RecurrentCache, SkippedCache]
+# What mlx-lm's recurrent layers ask of an ArraysCache beside ``cache[i]``
+# (which RecurrentCache is): no other layer asks it of its cache.
+ARRAYS_CACHE = {"lengths", "advance"}
+# What mlx-lm asks for to tell a quantized cache (keys come packed): none is.
+ABSENT = {"bits"}
+
+
+def test_the_contract_declares_the_model_and_engine_sides_with_docstrings():
+    assert DECLARED == {"offset", "make_mask", "update_and_fetch", "commit_path", "filter", "extend", "rows_kv", "state_arrays"}
+    for name in DECLARED:
+        member = StepCache.__dict__[name]
+        assert (member.fget if isinstance(member, property) else member).__doc__, name
+    assert StepCache.__annotations__["layout"] is CacheLayout
+
+
+@pytest.mark.parametrize("cls", CACHES, ids=lambda c: c.__name__)
+def test_every_cache_implements_every_declared_member_itself(cls):
+    """Nothing of the contract is left to the declaring base."""
+    assert not cls.__abstractmethods__
+    for name in DECLARED:
+        assert inspect.getattr_static(cls, name) is not StepCache.__dict__[name], name
+    layout = CacheLayout([0, 1])
+    cache = cls(layout, 2) if cls is RecurrentCache else cls(layout)
+    assert cache.layout is layout
+
+
+def watch(cache, asked: dict) -> None:
+    """Record (in ``asked``, by the cache's class) every attribute that
+    mlx-lm's models read of ``cache`` (not what the methods RecurrentCache
+    inherits from mlx-lm's ArraysCache read of it)."""
+    cls = type(cache)
+
+    def __getattribute__(self, name):
+        module = sys._getframe(1).f_globals.get("__name__", "")
+        if module.startswith("mlx_lm.") and module != "mlx_lm.models.cache":
+            asked.setdefault(cls, set()).add(name)
+        return object.__getattribute__(self, name)
+
+    cache.__class__ = type(f"Watched{cls.__name__}", (cls,), {"__getattribute__": __getattribute__})
+
+
+def model_of(kind: str):
+    if kind == "llama-skipped":  # its first layer, which the masks are read from, run by another rank
+        model = tiny_model("llama")
+        model.model.layers = [Skip(model.model.layers[0]), *model.model.layers[1:]]
+        return model
+    return tiny_model(kind)
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma3", "qwen3_next", "nemotron_h", "lfm2", "llama-skipped"])
+def test_what_mlx_lm_models_ask_of_their_caches_is_declared(kind):
+    """A prefill chunk (left-padded) and a tree pass: every attribute mlx-lm
+    reads of a cache is in the contract (a recurrent layer's cache also
+    answers as an ArraysCache)."""
+    base = BaseModel(model_of(kind))
+    layout, caches = base.make_cache([2, 0])
+    asked = {}
+    for cache in caches:
+        watch(cache, asked)
+    layout.begin_chunk()
+    mx.eval(base(mx.array([[0, 0, 5, 6, 7], [1, 2, 3, 4, 5]]), caches))
+    layout.end_chunk(5)
+    depths = mx.broadcast_to(mx.arange(3, dtype=mx.int32), (2, 3))
+    layout.begin_tree(depths, mx.broadcast_to(mx.tril(mx.ones((3, 3), mx.bool_)), (2, 3, 3)))
+    mx.eval(base(mx.array([[8, 9, 10], [6, 7, 8]]), caches))
+    for cls, names in asked.items():
+        assert names <= DECLARED | ABSENT | (ARRAYS_CACHE if cls is RecurrentCache else set()), cls.__name__
+    assert not any(hasattr(cache, name) for cache in caches for name in ABSENT)
+    assert "update_and_fetch" in asked[TreeKVCache]
+    assert "make_mask" in asked[SkippedCache if kind == "llama-skipped" else TreeKVCache]
+    if base.recurrent:
+        assert "make_mask" in asked[RecurrentCache]

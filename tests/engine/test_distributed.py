@@ -10,10 +10,16 @@ import subprocess
 import sys
 import time
 
+import mlx.core as mx
+import numpy as np
 import pytest
-from conftest import ROOT, run_cli, save_word_tokenizer, start_server, stop_server, tiny_drafter, tiny_model
+from conftest import ROOT, OracleDrafter, mlx_lm_greedy, run, run_cli, save_word_tokenizer, start_server, stop_server, tiny_drafter, tiny_model
 
 from redrafter_mlx.drafting.drafter import save_drafter
+from redrafter_mlx.engine.base_model import BaseModel
+from redrafter_mlx.engine.cache import CacheLayout, TreeKVCache, extend_batch
+from redrafter_mlx.engine.distributed import Skip, SkippedCache
+from redrafter_mlx.engine.types import ReDrafter
 
 PROMPTS = [[20, 21, 22, 20, 21, 22, 20, 21], [30, 31], [40, 41, 42, 43, 40, 41]]  # token ids
 TIMEOUT = 180
@@ -326,3 +332,49 @@ def test_a_digest_tells_steps_apart():
     assert digest(step) != digest(other_value)
     other_shape = (np.array([2]), np.arange(6).reshape(1, 6), [np.ones((1, 3, 5), np.float32), None])
     assert digest(step) != digest(other_shape)
+
+
+# -- a layer another rank runs, in one process ----------------------------------
+
+
+def test_a_skipped_layers_cache_answers_for_the_layout_and_keeps_nothing():
+    """Positions and masks (windowed too) are a TreeKVCache's on the same
+    layout; committing, filtering and extending keep nothing; it refuses
+    to be written or read for a prompt cache."""
+    layout = CacheLayout([2, 0])
+    skipped, kept = SkippedCache(layout), TreeKVCache(layout)
+    layout.begin_chunk()
+    assert skipped.offset.tolist() == kept.offset.tolist() == [-2, 0]
+    for window in (None, 2):
+        assert np.array_equal(np.array(skipped.make_mask(4, window_size=window)), np.array(kept.make_mask(4, window_size=window)))
+    kept.update_and_fetch(mx.zeros((2, 1, 4, 3)), mx.zeros((2, 1, 4, 3)))
+    layout.end_chunk(4)
+    depths = mx.array([[0, 1, 1], [0, 1, 2]], mx.int32)
+    tree = mx.array([[[1, 0, 0], [1, 1, 0], [1, 0, 1]], [[1, 0, 0], [1, 1, 0], [1, 1, 1]]], mx.bool_)
+    layout.begin_tree(depths, tree)
+    assert skipped.offset.tolist() == kept.offset.tolist()
+    assert np.array_equal(np.array(skipped.make_mask(3, window_size=2)), np.array(kept.make_mask(3, window_size=2)))
+    with pytest.raises(RuntimeError, match="another rank"):
+        skipped.update_and_fetch(mx.zeros((2, 1, 3, 3)), mx.zeros((2, 1, 3, 3)))
+    skipped.commit_path(np.array([[0, 2], [0, 1]]), np.array([1, 1]))
+    other_layout = CacheLayout([0])
+    extend_batch(layout, [skipped], other_layout, [SkippedCache(other_layout)])
+    skipped.filter(mx.array([0, 2]), 0)
+    assert skipped.keys is None and skipped.values is None and skipped.state_arrays() == []
+    with pytest.raises(RuntimeError, match="prompt cache"):
+        skipped.rows_kv(0, 0, 4)
+
+
+def test_a_model_that_reads_its_masks_from_a_skipped_layer_decodes_as_mlx_lm_does():
+    """A llama whose first layer (the one its masks are read from) is a
+    Skip, as on a rank that runs the others: a batch of prompts of
+    different lengths, drafted into trees, decodes as mlx-lm decodes it."""
+    model = tiny_model("llama", seed=4)
+    model.model.layers = [Skip(model.model.layers[0]), *model.model.layers[1:]]
+    base = BaseModel(model)
+    assert [type(c) for c in base.make_cache([0])[1]] == [SkippedCache, TreeKVCache]
+    references = [mlx_lm_greedy(model, p, 24) for p in PROMPTS]
+    drafter = OracleDrafter(base, [p + r for p, r in zip(PROMPTS, references)], corrupt=3)
+    tokens, accepted = run(ReDrafter(base, drafter), PROMPTS, max_tokens=24, max_nodes=8)
+    assert tokens == references
+    assert max(accepted) >= 2
