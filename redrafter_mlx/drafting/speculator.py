@@ -2,8 +2,9 @@
 datastore continuations and earlier answers, merged into one prefix tree per
 row and pruned to the nodes worth their verification cost.
 
-``Speculator`` owns the per-run policy and hands each step one ``Plan``,
-which the engine's ``Decoder.step`` executes. A plan's mode is
+``Speculator`` owns the per-run policy and hands each step one immutable
+``Plan``, which the engine's ``Decoder.step`` carries out (and prompts
+joining the batch a ``JoinPlan``). A plan's mode is
 
 - ``rnn``: the RNN's beams join the cheap drafts;
 - ``lookup``: the cheap drafts alone (lookup, datastore, earlier answers);
@@ -17,33 +18,20 @@ plain token. So a run whose drafting cannot pay on this machine whatever is
 accepted (a pass so cheap that the fixed cost alone outweighs it) is plain
 from its first step and never tries. Within ``rnn`` and ``lookup`` the
 budget sizes each step's tree by the curve, and a step whose best tree is
-worth less than plain decoding decodes plainly. The RNN is turned off
-while the steps without its beams produce more tokens per curve second
-(tokens really produced, not estimated), and tried again now and then.
+worth less than plain decoding decodes plainly.
 
-The search drafts as deep as the budget keeps its nodes: the RNN's nodes
-beyond a depth or two rarely make the tree, and each depth of the search
-costs as much as the first few. Every ``RESHAPE_STEPS``-th search (and the
-first few) runs the whole beam length; the others stop at the deepest
-depth whose RNN nodes those full searches' trees kept often enough.
-
-A run that does not gain turns to plain decoding: when the budget verified
-nothing for a few steps in a row, or when the last ``WINDOW`` drafting
-steps produced fewer tokens per curve second than plain steps would. The
-window is long because a step's accepted length varies widely: a run that
-gains on average still has stretches of a few steps that do not, which
-a short window, checked at every step, would take for a loss. It
-drafts again after an interval of plain steps that doubles after each
-retry that does not gain (so retries stay a small share of the time) and
-shrinks back after one that does; a retry is judged after its first
-``RETRY_WINDOW`` drafting steps. Real steps are held against the curve
-elsewhere (the decoder's drift check), so these choices read no clock:
-every rank of a split model makes them alike.
+The policy's running state is in three parts (``policy``): the RNN switch
+(the RNN is turned off while steps without its beams produce more tokens
+per curve second, and tried again now and then), the back-off (a run that
+does not gain turns to plain decoding for a while, longer after each retry
+that does not gain) and the search depth (the search drafts as deep as the
+budget keeps its nodes). Real steps are held against the curve elsewhere
+(the decoder's drift check), so these choices read no clock: every rank of
+a split model makes them alike.
 """
 
-from collections import deque
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Literal, NamedTuple, Optional
 
 import numpy as np
 
@@ -51,42 +39,61 @@ from .answers import AnswerStore
 from .budget import AcceptanceStats, best_node_count
 from .datastore import Datastore
 from .lookup import LookupIndex
+from .policy import Backoff, RnnSwitch, SearchDepth
 from .settings import DraftSettings
 from .tree import RowTree, beam_drafts, candidate_tree, datastore_drafts, lookup_drafts, most_likely_nodes, most_likely_path, prune
 
-RNN_RETRY_STEPS = 16  # with the RNN turned off, run it again every this many steps
 EXPLORE_STEPS = 8  # every this many steps, verify one node more than the budget chose
-RATE_MEMORY = 0.8  # weight of the past in the running estimate of lookup alone
-MEASURED_MEMORY = 0.7  # weight of the past in the running measured tokens and seconds
 CARRIED_WEIGHT = 4.0  # predicted mass (a few steps' worth) that earlier runs' statistics weigh as
-WINDOW = 32  # drafting steps whose rate is held against plain decoding's
-RETRY_WINDOW = 8  # drafting steps after which a retry is judged
-IDLE_STEPS = 3  # steps in a row that verified nothing before a run turns plain (one on a retry)
-PLAIN_STEPS = 16  # plain steps before drafting is tried again, at first
-MAX_PLAIN_STEPS = 4096  # the longest interval the doubling reaches
-RESHAPE_STEPS = 16  # every this many searches, one of the whole beam length
 PROBE_STEPS = 32  # where the curve's trees are a guess, one step in this many verifies a small tree
 PROBE_NODES = 4  # the nodes per row of such a step
-KEPT_SHARE = 0.5  # a depth is searched while this share of full searches' trees kept an RNN node there
+
+Mode = Literal["plain", "rnn", "lookup"]
 
 
-@dataclass
+class Beams(NamedTuple):
+    """The RNN's beams for the next step, one set per batch row.
+
+    tokens (B, W, L): each row's W beams, the root first (partial ones end
+    at NO_TOKEN); conditionals (B, W, L - 1): the drafter's probability of
+    each drafted token. numpy arrays, or device arrays still being computed
+    (the plan reads them after it made the cheap drafts)."""
+
+    tokens: Any
+    conditionals: Any
+
+    @property
+    def length(self) -> int:
+        """L: the beams' length, the root included."""
+        return self.tokens.shape[-1]
+
+    def rows(self, keep: list) -> "Beams":
+        """The beams of the rows ``keep`` (indices), in that order."""
+        return Beams(*(np.asarray(a)[keep] for a in self))
+
+    def joined(self, other: "Beams") -> "Beams":
+        """These rows' beams, then ``other``'s (of the same length)."""
+        return Beams(*(np.concatenate([np.asarray(a), b]) for a, b in zip(self, other)))
+
+
+@dataclass(frozen=True)
 class Plan:
     """What one step does.
 
     mode: ``plain``, ``rnn`` or ``lookup``.
     trees: the tree each row verifies (None for a plain step).
     search: the RNN searches the next step's beams in this step's graph.
-    search_length: their length, the root included (2 .. beam_length).
+    search_length: their length, the root included (2 .. beam_length; 0
+        without a search).
     ahead: a plain step issues the next step's plain pass before its own
         token is read (the next step is plain too).
-    predicted: curve seconds this step is expected to take (drafting steps;
-        the drift check holds real steps against it).
+    predicted: curve seconds this step is expected to take (the drift check
+        holds real steps against it).
     one_node: curve seconds of a plain token (what the step is held against).
     """
 
-    mode: str
-    trees: Optional[list] = None
+    mode: Mode
+    trees: Optional[tuple] = None
     search: bool = False
     search_length: int = 0
     ahead: bool = False
@@ -94,11 +101,36 @@ class Plan:
     one_node: float = 0.0
 
 
+@dataclass(frozen=True)
+class JoinPlan:
+    """What the prefill of prompts joining the batch does besides choosing
+    their first tokens: whether the RNN searches their first step's beams
+    (search), and how long (search_length, the root included)."""
+
+    search: bool
+    search_length: int
+
+
+class TreeChoice(NamedTuple):
+    """The budget's choice of a drafting step's trees (``Speculator._choose_trees``).
+
+    trees: one per row, or None when the budget keeps no node; lookup_rate:
+    the tokens per curve second the cheap drafts alone were estimated to
+    bring, when they were judged; without_rnn: the beams were not worth
+    their search and the cheap drafts alone are verified."""
+
+    trees: Optional[tuple]
+    lookup_rate: Optional[float] = None
+    without_rnn: bool = False
+
+
 class Speculator:
     """Per-run drafting policy for a batch: ``track`` each prompt (its
     context list, the row tracker's, which grows as tokens are committed)
-    before it drafts, ``drop`` it when it leaves; ``plan`` each step and
-    ``observe`` what a drafting step accepted.
+    before it drafts (``plan_join`` tracks the prompts joining a batch),
+    ``drop`` it when it leaves; ``plan`` each step and ``observe`` what a
+    drafting step accepted. Only ``plan``, ``plan_join`` and ``observe``
+    change the policy's state.
 
     history: what earlier runs of this model and drafter had accepted
     (``ReDrafter.acceptance``); this run starts from it and adds to it.
@@ -114,38 +146,25 @@ class Speculator:
                  datastore: Optional[Datastore] = None, answers: Optional[AnswerStore] = None, chains: bool = False):
         self.settings = settings
         self.chains = chains
-        self.drafter_present = self.has_drafter = has_drafter  # (has_drafter: and its search can pay on this curve)
         self.datastore = datastore if settings.datastore_beams else None
         self.answers = answers
         self.contexts, self.kinds, self.indexes = {}, {}, {}
         self.history = history
         self.stats = AcceptanceStats() if history is None else history.as_prior(CARRIED_WEIGHT)
-        self.rnn_on = has_drafter
-        self.steps_off = 0
-        self.lookup_estimate = None  # running estimated tokens per curve second without the RNN, before such steps ran
-        self.measured = {"rnn": None, "lookup": None}  # running (tokens, curve seconds) of the steps of each mode
-        self.window = deque(maxlen=WINDOW)  # (tokens, curve seconds, curve seconds of a plain token, rows) of recent drafting steps
-        self.idle = 0  # steps in a row that verified nothing
-        self.plain_left = 0  # plain steps still to run before drafting is tried again
-        self.interval = PLAIN_STEPS  # plain steps before the next retry
-        self.retrying = False  # drafting again after plain steps, not yet shown to gain
+        self.rnn = RnnSwitch(has_drafter)
+        self.backoff = Backoff()
+        self.depth = SearchDepth(settings.beam_length, (history or self.stats).kept_depths)
         self.steps = 0
-        self.last: Optional[Plan] = None
-        self.last_mode = "lookup"  # what the step being planned drafts with
+        self.last: Optional[Plan] = None  # the last step's plan (``observe`` judges by it)
         self.never = False  # this curve says no drafting can pay: the run is plain throughout
-        self.curve = None  # the curve ``never`` and ``has_drafter`` were decided for
-        self.searches = 0
-        # Per full-length search: the depths its tree kept RNN nodes at (the
-        # history's, which earlier runs of this pair filled).
-        self.kept_depths = (history or self.stats).kept_depths
+        self.curve = None  # the curve ``never`` and ``rnn.usable`` were decided for
 
     # -- rows -------------------------------------------------------------
 
     def track(self, row: int, context: list, sampled: bool = False) -> None:
         """A prompt joins: it drafts from ``context``. A new prompt is a new
-        chance for drafting, so the backoff of earlier retries starts over."""
-        self.interval, self.plain_left, self.retrying, self.idle = PLAIN_STEPS, 0, False, 0
-        self.window.clear()
+        chance for drafting, so the back-off of earlier retries starts over."""
+        self.backoff.restart()
         self.contexts[row] = context
         self.kinds[row] = "sampled" if sampled else "greedy"
         if self.settings.lookup:
@@ -159,26 +178,76 @@ class Speculator:
 
     @property
     def forced(self) -> bool:
-        """Whether the settings fix the node count (no curve decides)."""
+        """Whether the settings fix the node count (no curve sizes the trees)."""
         return self.settings.max_nodes is not None
 
     @property
-    def mode(self) -> str:
+    def mode(self) -> Mode:
         """The next step's mode, as far as it is known before its plan."""
-        if self.settings.max_nodes == 0 or self.plain_left or self.never:
+        if self.settings.max_nodes == 0 or self.backoff.resting or self.never:
             return "plain"
         return "rnn" if self.use_rnn() else "lookup"
 
     def use_rnn(self) -> bool:
         """Whether the next step drafts with the RNN (its search then runs
         in this step's graph)."""
-        if not self.has_drafter or self.plain_left or self.never or self.settings.max_nodes == 0:
+        if self.backoff.resting or self.never or self.settings.max_nodes == 0:
             return False
-        if self.rnn_on:
-            return True
-        return (self.steps_off + 1) % RNN_RETRY_STEPS == 0
+        return self.rnn.wanted()
 
-    def judge(self, cost) -> None:
+    def plan_join(self, rows: list, contexts: list, sampled: list, cost=None, running: bool = False,
+                  beams: Optional[Beams] = None) -> JoinPlan:
+        """Prompts join the batch as ``rows``, drafting from ``contexts``
+        (``sampled``: per row, whether its tokens are sampled). cost: the
+        curve of the batch with them, at their longest prompt: what can pay
+        on it is known before their first search. Joining a ``running``
+        batch, they search as it does (``beams``: its beams, or None);
+        starting one, the whole beam length when the RNN drafts."""
+        self._judge(cost)
+        for row, context, s in zip(rows, contexts, sampled):
+            self.track(row, context, s)
+        if running:
+            return JoinPlan(beams is not None, 0 if beams is None else beams.length)
+        return JoinPlan(self.use_rnn(), self.settings.beam_length)
+
+    def plan(self, rows: list, roots: list, beams: Optional[Beams] = None, cost=None, ahead: bool = False,
+             may_run_ahead: bool = True) -> Plan:
+        """The step's plan. rows: the prompt of each batch row; roots: each
+        row's last chosen token; beams: the RNN's beams, or None when it did
+        not search. cost: the cost curve (``CostCurve``) unless the settings
+        fix the node count. ahead: the step's plain pass was already issued
+        (it is plain whatever the policy). may_run_ahead: the engine can
+        issue a plain pass before the last token is known (not when the
+        token choice reads the tokens)."""
+        self.steps += 1
+        self._judge(cost)
+        mode, trees, run_ahead = self._decide(rows, roots, beams, cost, ahead, may_run_ahead)
+        search = self.use_rnn()
+        if trees is not None and beams is not None:
+            self.depth.keep(trees, beams.length)
+        length = self.depth.next_length() if search else 0
+        one_node = 0.0 if cost is None else cost.plain
+        self.last = Plan(mode, trees, search, length, run_ahead, self._predicted(cost, trees, search), one_node)
+        return self.last
+
+    def _decide(self, rows, roots, beams, cost, ahead: bool, may_run_ahead: bool) -> tuple:
+        """The step's (mode, trees or None, whether it runs ahead); the
+        back-off and the RNN switch take note."""
+        if not ahead and self._probing(cost, self.steps):
+            trees = tuple(prune(t, PROBE_NODES) for t in self._candidate_trees(rows, roots, beams))
+            if any(t.num_nodes > 1 for t in trees):
+                return ("rnn" if beams is not None else "lookup"), trees, False
+        if ahead or self.mode == "plain":
+            self.backoff.plain_step()
+            return "plain", None, may_run_ahead and self.mode == "plain" and not self._probing(cost, self.steps + 1)
+        choice = self._choose_trees(rows, roots, beams, cost)
+        self.rnn.drafted(choice.lookup_rate, choice.without_rnn)
+        self.backoff.verified(choice.trees is not None)
+        if choice.trees is None:  # nothing worth verifying: this step decodes plainly
+            return "plain", None, False
+        return ("lookup" if choice.without_rnn or beams is None else "rnn"), choice.trees, False
+
+    def _judge(self, cost) -> None:
         """Decide, once per curve, what can pay at all: a drafting step's
         best case (every node of the largest tree accepted) against plain
         decoding. The RNN is kept off where its search alone forbids it; a
@@ -199,45 +268,8 @@ class Speculator:
         plain = 1 / cost.plain
         with_rnn = best(rnn_depth, cost.draft_seconds)
         cheap = best(cheap_depth, 0.0)
-        self.has_drafter = self.drafter_present and with_rnn > plain
-        if not self.has_drafter:
-            self.rnn_on = False
-        self.never = max(cheap, with_rnn if self.has_drafter else 0.0) <= plain
-
-    def plan(self, rows: list, roots: list, beams: Optional[np.ndarray], conditionals: Optional[np.ndarray], cost=None,
-             ahead: bool = False, may_run_ahead: bool = True) -> Plan:
-        """The step's plan. rows: the prompt of each batch row; roots: each
-        row's last chosen token; beams (B, W, L) and conditionals
-        (B, W, L - 1): the RNN's beams (partial ones ending at NO_TOKEN)
-        and the drafter's probability of each drafted token, or None when
-        it did not run (numpy arrays, or device arrays still being
-        computed, read when the cheap drafts are made). cost: the cost curve (``CostCurve``) when
-        ``max_nodes`` is None. ahead: the step's plain pass was already
-        issued (it is plain whatever the policy). may_run_ahead: the engine
-        can issue a plain pass before the last token is known (not when the
-        token choice reads the tokens)."""
-        self.steps += 1
-        self.judge(cost)
-        plan = self._plan(rows, roots, beams, conditionals, cost, ahead, may_run_ahead)
-        if plan.trees is not None and beams is not None and beams.shape[-1] == self.settings.beam_length:
-            self.kept_depths.append({t.depths[i] for t in plan.trees for i in range(1, t.num_nodes)
-                                     if any(key[0] == "rnn" for key, _ in t.judged[i])})
-        if plan.search:
-            plan.search_length = self.search_length()
-            self.searches += 1
-        return plan
-
-    def search_length(self) -> int:
-        """How deep the next search drafts (the root included): the whole
-        beam length every ``RESHAPE_STEPS``-th search and until enough full
-        searches were seen, else one past the deepest depth their trees
-        kept RNN nodes at in at least ``KEPT_SHARE`` of them."""
-        full = self.settings.beam_length
-        if len(self.kept_depths) < self.kept_depths.maxlen // 2 or self.searches % RESHAPE_STEPS == 0:
-            return full
-        kept = [sum(d in depths for depths in self.kept_depths) / len(self.kept_depths) for d in range(1, full)]
-        deepest = max((d + 1 for d, share in enumerate(kept) if share >= KEPT_SHARE), default=1)
-        return max(2, deepest + 1)
+        self.rnn.judge(with_rnn > plain)
+        self.never = max(cheap, with_rnn if self.rnn.usable else 0.0) <= plain
 
     def _probing(self, cost, step: int) -> bool:
         """Whether step ``step`` of the run verifies a small tree whatever
@@ -247,56 +279,28 @@ class Speculator:
         step in ``PROBE_STEPS`` until a tree has run there."""
         return cost is not None and cost.guessed and not self.forced and self.settings.max_nodes != 0 and step % PROBE_STEPS == 0
 
-    def _plan(self, rows, roots, beams, conditionals, cost, ahead: bool, may_run_ahead: bool) -> Plan:
-        one = 0.0 if cost is None else cost.plain
-        if not ahead and self._probing(cost, self.steps):
-            trees = [prune(t, PROBE_NODES) for t in self._candidate_trees(rows, roots, beams, conditionals)]
-            if any(t.num_nodes > 1 for t in trees):
-                search = self.use_rnn()
-                predicted = cost(max(t.num_nodes for t in trees)) + cost.step_seconds + (cost.draft_seconds if search else 0.0)
-                self.last = Plan("rnn" if beams is not None else "lookup", trees, search=search, predicted=predicted, one_node=one)
-                return self.last
-        if ahead or self.mode == "plain":
-            if self.plain_left:
-                self.plain_left -= 1
-            self.last = Plan("plain", search=self.use_rnn(), one_node=one)
-            self.last.ahead = may_run_ahead and self.mode == "plain" and not self._probing(cost, self.steps + 1)
-            self.last.predicted = self._alone(cost, self.last.search)
-            return self.last
-        self.last_mode = "rnn" if beams is not None else "lookup"
-        trees = self.trees(rows, roots, beams, conditionals, cost)
-        mode = self.last_mode
-        search = self.use_rnn()
-        if trees is None:  # nothing worth verifying: this step decodes plainly
-            self.idle += 1
-            if self.idle >= (1 if self.retrying else IDLE_STEPS):
-                self._turn_plain()
-            self.last = Plan("plain", search=self.use_rnn(), one_node=one)
-            self.last.predicted = self._alone(cost, self.last.search)
-            return self.last
-        self.idle = 0
-        predicted = 0.0
-        if cost is not None:  # what this step costs: its pass, the rest of a step, and the search it runs
-            predicted = cost(max(t.num_nodes for t in trees)) + cost.step_seconds + (cost.draft_seconds if search else 0.0)
-        self.last = Plan(mode, trees, search=search, predicted=predicted, one_node=one)
-        return self.last
-
     @staticmethod
-    def _alone(cost, search: bool) -> float:
-        """Curve seconds of a plain step not pipelined (what the drift check
-        holds it against): a pass of one token, a step's own work, and the
-        search it runs."""
-        return 0.0 if cost is None else cost(1) + cost.step_seconds + (cost.draft_seconds if search else 0.0)
+    def _predicted(cost, trees: Optional[tuple], search: bool) -> float:
+        """Curve seconds of the step: its pass (of one token when it is
+        plain: what the drift check holds a plain step not pipelined
+        against), the rest of a step, and the search it runs."""
+        if cost is None:
+            return 0.0
+        nodes = 1 if trees is None else max(t.num_nodes for t in trees)
+        return cost(nodes) + cost.step_seconds + (cost.draft_seconds if search else 0.0)
 
-    def trees(self, rows: list, roots: list, beams: Optional[np.ndarray], conditionals: Optional[np.ndarray], cost=None) -> Optional[list[RowTree]]:
+    def trees(self, rows: list, roots: list, beams: Optional[Beams] = None, cost=None) -> Optional[tuple]:
         """The tree each row verifies, or None when the budget keeps no node
-        (with a fixed ``max_nodes``, always the trees)."""
-        if self.has_drafter and not self.rnn_on:
-            self.steps_off += 1
-        drafts = self._drafts(rows, beams, conditionals)
+        (with a fixed ``max_nodes``, always the trees); changes nothing."""
+        return self._choose_trees(rows, roots, beams, cost).trees
+
+    def _choose_trees(self, rows: list, roots: list, beams: Optional[Beams], cost) -> TreeChoice:
+        """The budget's trees for a drafting step, and what it saw of the
+        cheap drafts alone; changes nothing (``_decide`` passes it on)."""
+        drafts = self._drafts(rows, beams)
         candidates = [self._candidates(root, d) for root, d in zip(roots, drafts)]
         if self.forced:
-            return [prune(t, self.settings.max_nodes) for t in candidates]
+            return TreeChoice(tuple(prune(t, self.settings.max_nodes) for t in candidates))
         gains = [most_likely_nodes(t) for t in candidates]
         extra = cost.step_seconds + (cost.draft_seconds if beams is not None else 0.0)
         count, _ = best_node_count(gains, cost, max(map(len, gains)), extra, plain_seconds=cost.plain)
@@ -304,49 +308,34 @@ class Speculator:
             # Nodes left out are never observed, so their estimates would
             # never recover: now and then one more is tried.
             count += 1
-        if beams is not None and self.has_cheap_drafts and (self.measured["lookup"] is None or count == 0):
+        rate = None
+        if beams is not None and self.has_cheap_drafts and (self.rnn.measured["lookup"] is None or count == 0):
             cheap = [self._candidates(root, [d for d in row_drafts if d.keys[0][0] != "rnn"]) for root, row_drafts in zip(roots, drafts)]
             cheap_gains = [most_likely_nodes(t) for t in cheap]
             cheap_count, rate = best_node_count(cheap_gains, cost, max(map(len, cheap_gains)), cost.step_seconds, plain_seconds=cost.plain)
-            past = self.lookup_estimate
-            self.lookup_estimate = rate if past is None else RATE_MEMORY * past + (1 - RATE_MEMORY) * rate
             if count == 0 and cheap_count:
                 # The beams are not worth their search, the cheap drafts are
                 # worth their pass: this step goes without them, and so do
                 # the next ones until the RNN is tried again.
-                self.rnn_on = False
-                self.last_mode = "lookup"
-                return [prune(t, cheap_count) for t in cheap]
-        if count == 0:
-            return None
-        return [prune(t, count) for t in candidates]
+                return TreeChoice(tuple(prune(t, cheap_count) for t in cheap), rate, without_rnn=True)
+        return TreeChoice(None if count == 0 else tuple(prune(t, count) for t in candidates), rate)
 
-    def _drafts(self, rows: list, beams, conditionals) -> list:
+    def _drafts(self, rows: list, beams: Optional[Beams]) -> list:
         """Per row, its drafts: the RNN's beams (when it searched) and the cheap ones."""
-        cheap = [self._cheap_drafts(row, self._estimate(row)) for row in rows]
+        estimates = [self._estimate(row) for row in rows]
+        cheap = [self._cheap_drafts(row, estimate) for row, estimate in zip(rows, estimates)]
+        drafts = cheap
         if beams is not None:  # read only now: the engine's search may still be running
-            beams, conditionals = np.asarray(beams), np.asarray(conditionals)
-        drafts = []
-        for row, b, c, row_cheap in zip(rows, beams if beams is not None else [None] * len(rows),
-                                        conditionals if beams is not None else [None] * len(rows), cheap):
-            estimate = self._estimate(row)
-            row_drafts = ([] if b is None else beam_drafts(b, c, estimate)) + row_cheap
+            tokens, conditionals = np.asarray(beams.tokens), np.asarray(beams.conditionals)
+            drafts = [beam_drafts(b, c, estimate) + row_cheap for b, c, estimate, row_cheap in zip(tokens, conditionals, estimates, cheap)]
+        for row, row_drafts in zip(rows, drafts):
             kind = self.kinds.get(row, "greedy")
             for draft in row_drafts:
                 draft.keys = [(*key, kind) for key in draft.keys]
-            drafts.append(row_drafts)
         return drafts
 
-    def _candidate_trees(self, rows: list, roots: list, beams, conditionals) -> list[RowTree]:
-        return [self._candidates(root, d) for root, d in zip(roots, self._drafts(rows, beams, conditionals))]
-
-    def _turn_plain(self) -> None:
-        """Plain steps for the current interval; a retry that did not gain
-        doubles it (one that gains starts it over: ``observe``)."""
-        if self.retrying:
-            self.interval = min(2 * self.interval, MAX_PLAIN_STEPS)
-        self.plain_left, self.idle, self.retrying = self.interval, 0, True
-        self.window.clear()
+    def _candidate_trees(self, rows: list, roots: list, beams: Optional[Beams]) -> list[RowTree]:
+        return [self._candidates(root, d) for root, d in zip(roots, self._drafts(rows, beams))]
 
     def _candidates(self, root: int, drafts: list) -> RowTree:
         tree = candidate_tree(root, drafts)
@@ -372,16 +361,6 @@ class Speculator:
             drafts += datastore_drafts(self.answers.propose(context, settings.lookup_length), estimate, "answers")
         return drafts
 
-    def rate(self, mode: str) -> Optional[float]:
-        """Tokens per curve second of the steps verified with (``"rnn"``) or
-        without (``"lookup"``) the RNN's beams: measured once such steps
-        ran; before lookup-only steps ran, their rate is estimated from the
-        RNN's steps (the RNN runs first, so it is always measured first)."""
-        if self.measured[mode] is not None:
-            tokens, seconds = self.measured[mode]
-            return tokens / seconds
-        return self.lookup_estimate if mode == "lookup" else None
-
     def observe(self, trees: list, paths: np.ndarray, num_accepted: np.ndarray) -> None:
         """After a drafting step: what was accepted (``accept``'s path and counts)."""
         paths, counts = paths.tolist(), num_accepted.tolist()
@@ -391,22 +370,6 @@ class Speculator:
         plan = self.last
         if plan is None or plan.mode == "plain" or self.forced:
             return
-        tokens, past = float(np.sum(num_accepted + 1)), self.measured[plan.mode]
-        m = MEASURED_MEMORY
-        self.measured[plan.mode] = (tokens, plan.predicted) if past is None else (m * past[0] + (1 - m) * tokens, m * past[1] + (1 - m) * plan.predicted)
-        if self.has_drafter and self.has_cheap_drafts and None not in (self.rate("rnn"), self.rate("lookup")):
-            self.rnn_on = self.rate("rnn") >= self.rate("lookup")
-        self.window.append((tokens, plan.predicted, plan.one_node, len(trees)))
-        if len(self.window) >= (RETRY_WINDOW if self.retrying else WINDOW):
-            if self._losing():
-                self._turn_plain()
-            elif self.retrying:  # a retry that gains: the next one comes soon again
-                self.retrying, self.interval = False, PLAIN_STEPS
-
-    def _losing(self) -> bool:
-        """Whether the drafting steps in the window (the last ``WINDOW``, or
-        a retry's first ``RETRY_WINDOW``) produced fewer tokens per curve
-        second than plain steps would (one token per row each ``one_node``
-        seconds)."""
-        tokens, predicted, one_node, rows = (sum(column) for column in zip(*self.window))
-        return tokens * one_node < rows * predicted
+        tokens = float(np.sum(num_accepted + 1))
+        self.rnn.observe(plan.mode, tokens, plan.predicted, self.has_cheap_drafts)
+        self.backoff.observe(tokens, plan.predicted, plan.one_node, len(trees))

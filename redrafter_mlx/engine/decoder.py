@@ -12,7 +12,8 @@ copy runs with the next pass) and makes the next step's cheap drafts; the
 next tree reads the beams last.
 
 What a step does is the speculator's ``Plan`` (``drafting.speculator``);
-``Decoder.step`` only carries it out. A plain step (nothing drafted) is
+``Decoder.step`` only carries it out: plan, then (a tree step) verify the
+trees, accept each row's path, search the next beams and commit the path. A plain step (nothing drafted) is
 pipelined as mlx-lm pipelines its loop: the pass that feeds this step's
 token is built and started before this step's token is read, so that the
 host's work overlaps the device's, and it does no other work per token:
@@ -23,7 +24,7 @@ positions and no mask, that mlx-lm's own loop feeds.
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterator, Optional, Sequence
+from typing import Callable, Iterator, NamedTuple, Optional, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -31,17 +32,32 @@ import numpy as np
 from ..drafting.beam_search import beam_search
 from ..drafting.cost import CostCurve
 from ..drafting.settings import DraftSettings
-from ..drafting.speculator import Plan, Speculator
+from ..drafting.speculator import Beams, Plan, Speculator
 from ..drafting.tree import pack
 from ..errors import UserError
 from .acceptance import accept
 from .cache import extend_batch
 from .costs import StepCosts
 from .prefill import PREFILL_STEP_SIZE, Prefill, check_prompts
-from .profile import StepProfile
+from .profile import NO_PROFILE, StepProfile
 from .rows import RowTracker
 from .sampling import greedy
 from .types import Chooser, ReDrafter, StepOutput, TokenHistory
+
+
+class PlainPass(NamedTuple):
+    """One plain pass's results for the rows in batch order, lazy: token
+    (B,) the chosen tokens; hidden (B, hidden_size) the hidden states they
+    were chosen from; logprobs the chooser's (chosen, top ids, top
+    log-probabilities) arrays, or None."""
+
+    token: mx.array
+    hidden: mx.array
+    logprobs: Optional[tuple]
+
+    def rows(self, keep: mx.array) -> "PlainPass":
+        """The rows ``keep`` (indices), in that order."""
+        return PlainPass(self.token[keep], self.hidden[keep], None if self.logprobs is None else tuple(a[keep] for a in self.logprobs))
 
 
 @dataclass
@@ -91,21 +107,18 @@ class Decoder:
         with_hidden: bool = False,
     ):
         self.redrafter, self.draft, self.choose = redrafter, draft, choose
-        self.prefill_step_size, self.profile, self.with_hidden = prefill_step_size, profile, with_hidden
-        shape = draft.search_shape(redrafter.drafter) if redrafter.drafter is not None else None
-        self.costs = StepCosts(redrafter, cost_batch_sizes, shape, cost_curve, sized=draft.max_nodes is None, step_costs=fixed_costs)
-        self.tracker = RowTracker([], 0, eos_token_ids)
+        self.prefill_step_size, self.with_hidden = prefill_step_size, with_hidden
+        self.profile = NO_PROFILE if profile is None else profile
         self.speculator = Speculator(
             draft, redrafter.drafter is not None, redrafter.acceptance, redrafter.datastore, redrafter.answers, chains=redrafter.base.recurrent
         )
-        self.layout = self.cache = self.rnn = None
+        shape = draft.search_shape(redrafter.drafter) if redrafter.drafter is not None else None
+        self.costs = StepCosts(redrafter, cost_batch_sizes, shape, cost_curve, sized=not self.speculator.forced, step_costs=fixed_costs)
+        self.tracker = RowTracker([], 0, eos_token_ids)
+        self.layout = self.cache = None
+        self.beams: Optional[Beams] = None  # the RNN's beams for the next step (None: it did not search)
         self.leaving = set()
-        # A plain pass issued ahead: (chosen tokens (B,), hidden (B, hidden_size),
-        # log-probability arrays or None), lazy, for the rows in batch order;
-        # its fed tokens are committed.
-        self.ahead = None
-        self.plain_since: Optional[tuple] = None  # (when, batch size) the last pipelined plain step's token was read
-        self.returned = 0.0  # when the last step returned
+        self.ahead: Optional[PlainPass] = None  # a plain pass issued ahead (its fed tokens are committed)
         self.constants: dict = {}  # (batch size, ahead) -> a plain pass's depths and mask
 
     @property
@@ -113,13 +126,13 @@ class Decoder:
         """The prompts in the batch, in batch order."""
         return self.tracker.rows
 
-    def _search(self, hidden: mx.array, first_tokens: mx.array, length: int = 0):
+    def _search(self, hidden: mx.array, first_tokens: mx.array, length: int = 0) -> Beams:
         """The RNN's beams and their probabilities (lazy), ``length`` long
         (the root included; 0: the settings' beam length)."""
         width, full, later, partial, first = self.draft.search_shape(self.redrafter.drafter)
         beams, logprobs = beam_search(self.redrafter.drafter, self.redrafter.base.embed, hidden, first_tokens, width, length or full, later,
                                       partial, first)
-        return beams, mx.exp(logprobs)
+        return Beams(beams, mx.exp(logprobs))
 
     def join(self, prompts: Sequence[Sequence[int]], max_tokens, ids: Optional[Sequence[int]] = None, prompt_caches=None) -> list[StepOutput]:
         """Prefill prompts and add them to the batch; returns each one's
@@ -144,42 +157,39 @@ class Decoder:
 
     def finish_join(self, coming: Joining) -> list[StepOutput]:
         """The second half of ``join``: returns what ``join`` returns."""
-        prompts, limits, ids = coming.prompts, coming.limits, coming.ids
-        if self.profile is not None:
-            self.profile.restart()
+        self.profile.restart()
         ready = self._resolve_ahead()
-        self.plain_since = None
         staying = sum(r not in self.leaving for r in self.tracker.rows)
         # What can pay on this curve is known before the first search,
         # which runs now when the RNN drafts.
-        self.speculator.judge(self.costs.curve(staying + len(prompts), max(map(len, prompts))))
-        joining = [self.tracker.add(p, m, i) for p, m, i in zip(prompts, limits, ids)]
-        for r, i in zip(joining, ids):
-            self.speculator.track(r, self.tracker.context[r], self.choose.is_sampled(i))
+        cost = self.costs.curve(staying + len(coming.prompts), max(map(len, coming.prompts)))
+        joining = [self.tracker.add(p, m, i) for p, m, i in zip(coming.prompts, coming.limits, coming.ids)]
+        plan = self.speculator.plan_join(joining, [self.tracker.context[r] for r in joining], [self.choose.is_sampled(i) for i in coming.ids], cost,
+                                         running=self.layout is not None, beams=self.beams)
         layout, cache, hidden, logits = coming.prefill.finish()
         first, logprobs = self._choose(logits, self.tracker.history(rows=joining))
         first = first[:, 0]
-        # Joining a running batch, the new rows draft as the batch does.
-        with_rnn = self.speculator.use_rnn() if self.layout is None else self.rnn is not None
-        length = 0 if self.rnn is None else self.rnn[0].shape[-1]  # the running batch's beams' length
-        rnn = self._search(hidden, first, length) if with_rnn else None
+        beams = self._search(hidden, first, plan.search_length) if plan.search else None
         hidden_rows = hidden.astype(mx.float16) if self.with_hidden else None
-        mx.eval(first, rnn, logprobs, hidden_rows, [c.state_arrays() for c in cache])
-        if self.profile is not None:
-            self.profile.lap("prefill")
-        rnn = None if rnn is None else [np.array(a) for a in rnn]
-        _, (first, rnn) = self._settle(None, (np.array(first), rnn))
-        if self.layout is None:
-            self.layout, self.cache, self.rnn = layout, cache, rnn
-        else:
-            extend_batch(self.layout, self.cache, layout, cache)
-            if self.rnn is not None:
-                self.rnn = [np.concatenate([np.asarray(a), b]) for a, b in zip(self.rnn, rnn)]
-        self.tracker.rows += joining
+        mx.eval(first, beams, logprobs, hidden_rows, [c.state_arrays() for c in cache])
+        self.profile.lap("prefill")
+        _, (first, beams) = self._settle(None, (np.array(first), host_beams(beams)))
+        self._add_rows(joining, layout, cache, beams)
         at_root = np.zeros((len(joining), 1), np.int64)
         outputs = self.tracker.emit([[t] for t in first.tolist()], rows=joining, logprobs=logprob_lists(logprobs, at_root))
         self._attach_hidden(outputs, hidden_rows, joining)
         return ready + self._finished(outputs)
+
+    def _add_rows(self, rows: list, layout, cache: list, beams: Optional[Beams]) -> None:
+        """Prefilled prompts join the batch as ``rows``: their layout, cache
+        and first beams after the running rows'."""
+        if self.layout is None:
+            self.layout, self.cache, self.beams = layout, cache, beams
+        else:
+            extend_batch(self.layout, self.cache, layout, cache)
+            if self.beams is not None:
+                self.beams = self.beams.joined(beams)
+        self.tracker.rows += rows
 
     def leave(self, rows: Sequence[int]) -> None:
         """Take prompts out of the batch before the next step."""
@@ -214,16 +224,13 @@ class Decoder:
         if keep is None:
             return
         if not keep:
-            self.layout = self.cache = self.rnn = self.ahead = None
+            self.layout = self.cache = self.beams = self.ahead = None
             return
         trim = self.layout.filter(keep)
         for c in self.cache:
             c.filter(mx.array(keep), trim)
-        self.rnn = None if self.rnn is None else [np.asarray(a)[keep] for a in self.rnn]
-        if self.ahead is not None:
-            kept = mx.array(keep)
-            token, hidden, logprobs = self.ahead
-            self.ahead = token[kept], hidden[kept], None if logprobs is None else tuple(a[kept] for a in logprobs)
+        self.beams = None if self.beams is None else self.beams.rows(keep)
+        self.ahead = None if self.ahead is None else self.ahead.rows(mx.array(keep))
 
     def prompt_cache(self, row: int) -> tuple[list, list, list]:
         """(tokens, keys, values) the batch holds for one prompt: its
@@ -237,8 +244,9 @@ class Decoder:
         return context[:length], [k for k, _ in kv], [v for _, v in kv]
 
     def step(self) -> list[StepOutput]:
-        """One step for every active row, as the speculator plans it: a tree
-        verified, or a plain token (none: returns [])."""
+        """One step for every active row: the speculator plans it, and the
+        plan is carried out: a tree verified, or a plain token (none:
+        returns [])."""
         self._drop_leaving()
         tracker = self.tracker
         if not tracker.rows:
@@ -246,58 +254,29 @@ class Decoder:
         cost = self.costs.curve(len(tracker.rows), self.layout.start)  # (the keys this step's pass reads)
         tic = time.perf_counter()
         roots = [tracker.context[r][-1] for r in tracker.rows]
-        base = self.redrafter.base
-        may_run_ahead = not self.choose.reads_tokens and self.profile is None and not base.ranks.several
-        plan = self.speculator.plan(tracker.rows, roots, *(self.rnn or (None, None)), cost=cost, ahead=self.ahead is not None,
-                                    may_run_ahead=may_run_ahead)
-        if plan.mode == "plain":
-            outputs = self._plain_step(plan, roots, tic)
-        else:
-            outputs, self.plain_since = self._tree_step(plan, tic), None
-        self.returned = time.perf_counter()
+        may_run_ahead = not self.choose.reads_tokens and not self.profile.enabled and not self.redrafter.base.ranks.several
+        plan = self.speculator.plan(tracker.rows, roots, self.beams, cost=cost, ahead=self.ahead is not None, may_run_ahead=may_run_ahead)
+        outputs = self._plain_step(plan, roots, tic) if plan.mode == "plain" else self._tree_step(plan, tic)
+        self.costs.step_returned()
         return self._finished(outputs)
 
     def _tree_step(self, plan: Plan, tic: float) -> list[StepOutput]:
-        """Verify the plan's trees and keep each row's accepted path."""
-        tracker, base, profile = self.tracker, self.redrafter.base, self.profile
-        if profile is not None:
-            profile.lap("host")
-        tree = pack(plan.trees)
-        self.layout.begin_tree(tree.depths, tree.mask)
-        if profile is not None:
-            profile.lap("packing", tree.tokens, tree.depths, tree.mask, tree.beams, tree.unpack)
-        hidden, logits = base(tree.tokens, self.cache)
-        if profile is not None:
-            profile.lap("pass", hidden, logits)
-        choices, logprobs = self._choose(logits, tracker.history(tree))
-        step = accept(tree.beams, tree.unpack, choices, hidden)
-        if profile is not None:
-            profile.lap("choice", step.tokens, step.path, step.num_accepted, logprobs)
-        rnn = self._search(step.next_hidden, step.next_token, plan.search_length) if plan.search else None
-        results = [step.num_accepted, step.tokens, step.path, logprobs, [c.state_arrays() for c in self.cache]]
-        if profile is not None or base.ranks.several:
-            # The step's one host synchronisation: what was accepted, and the
-            # next step's beams, drafted from where this step's path ends.
-            mx.eval(*results, rnn)
-            rnn = None if rnn is None else [np.array(a) for a in rnn]
-        else:
-            # What was accepted is read now; the next step's beams, drafted
-            # from where this step's path ends, go on computing while the
-            # host commits the path and makes the next step's cheap drafts,
-            # and are read when the next tree takes them.
-            mx.eval(*results)
-            if rnn is not None:
-                mx.async_eval(rnn)
-        if profile is not None:
-            profile.lap("drafting")
-        seconds, (num_accepted, path, tokens, self.rnn) = self._settle(
-            tic, (np.array(step.num_accepted), np.array(step.path), np.array(step.tokens), rnn))
+        """Verify the plan's trees, accept each row's longest agreeing path,
+        search the next step's beams from where it ends (in the same graph)
+        and commit the path."""
+        tracker, profile = self.tracker, self.profile
+        profile.lap("host")
+        tree, hidden, logits = self._verify(plan.trees)
+        step, logprobs = self._accept(tree, hidden, logits)
+        beams = self._search(step.next_hidden, step.next_token, plan.search_length) if plan.search else None
+        beams = self._synchronise([step.num_accepted, step.tokens, step.path, logprobs, [c.state_arrays() for c in self.cache]], beams)
+        seconds, (num_accepted, path, tokens, self.beams) = self._settle(
+            tic, (np.array(step.num_accepted), np.array(step.path), np.array(step.tokens), beams))
         # Known on the host now: only what was accepted, and only what is out
         # of place, is copied (lazily, evaluated with the next pass).
         for c in self.cache:
             c.commit_path(path, num_accepted)
-        if profile is not None:
-            profile.lap("commit", [c.state_arrays() for c in self.cache])
+        profile.lap("commit", [c.state_arrays() for c in self.cache])
         self.speculator.observe(plan.trees, path, num_accepted)
         self.costs.observe(len(tracker.rows), self.layout.start, max(tree.num_nodes), seconds, plan.search)
         self.layout.commit(num_accepted + 1)
@@ -305,10 +284,44 @@ class Decoder:
             [tokens[i, : n + 1].tolist() for i, n in enumerate(num_accepted)], num_accepted.tolist(), tree.num_nodes,
             logprobs=logprob_lists(logprobs, path),
         )
-        if profile is not None:
-            profile.lap("host")
-            profile.steps += 1
+        profile.lap("host")
+        profile.count_step()
         return outputs
+
+    def _verify(self, trees: tuple):
+        """The base model's pass over the rows' trees, packed: (the packed
+        ``Tree``, hidden (B, N, hidden_size), logits (B, N, vocab)), lazy."""
+        tree = pack(trees)
+        self.layout.begin_tree(tree.depths, tree.mask)
+        self.profile.lap("packing", tree.tokens, tree.depths, tree.mask, tree.beams, tree.unpack)
+        hidden, logits = self.redrafter.base(tree.tokens, self.cache)
+        self.profile.lap("pass", hidden, logits)
+        return tree, hidden, logits
+
+    def _accept(self, tree, hidden: mx.array, logits: mx.array):
+        """The choice at every node and each row's longest path that agrees
+        with it: (``accept``'s step, log-probability arrays or None), lazy."""
+        choices, logprobs = self._choose(logits, self.tracker.history(tree))
+        step = accept(tree.beams, tree.unpack, choices, hidden)
+        self.profile.lap("choice", step.tokens, step.path, step.num_accepted, logprobs)
+        return step, logprobs
+
+    def _synchronise(self, results: list, beams: Optional[Beams]) -> Optional[Beams]:
+        """The tree step's one host synchronisation: ``results`` (what was
+        accepted) evaluated. The next step's beams, drafted from where this
+        step's path ends, go on computing while the host commits the path
+        and makes the next step's cheap drafts, and are read when the next
+        tree takes them; a profiled step, or one of a model split over ranks
+        (which must settle them), reads them now (as numpy arrays)."""
+        if self.profile.enabled or self.redrafter.base.ranks.several:
+            mx.eval(*results, beams)
+            beams = host_beams(beams)
+        else:
+            mx.eval(*results)
+            if beams is not None:
+                mx.async_eval(beams)
+        self.profile.lap("drafting")
+        return beams
 
     def _settle(self, tic: Optional[float], results):
         """The step's wall seconds since ``tic`` (0 without one), and its
@@ -340,11 +353,10 @@ class Decoder:
             self.constants[key] = depths, mask
         return self.constants[key]
 
-    def _plain_pass(self, tokens: mx.array, ahead: bool):
-        """Feed one token per row (B, 1), commit it, and choose the next:
-        (tokens (B,), hidden (B, hidden_size), log-probability arrays or
-        None), lazy. ``ahead``: the fed tokens are not yet in the rows'
-        contexts on the host (their positions are one further).
+    def _plain_pass(self, tokens: mx.array, ahead: bool) -> PlainPass:
+        """Feed one token per row (B, 1), commit it, and choose the next
+        (lazy). ``ahead``: the fed tokens are not yet in the rows' contexts
+        on the host (their positions are one further).
 
         While every row ends where the block begins (always at batch 1) the
         token is fed as a causal chunk, as mlx-lm's loop feeds it; rows of
@@ -367,45 +379,32 @@ class Decoder:
         tracker = self.tracker
         history = TokenHistory([tracker.ids[r] for r in tracker.rows], [tracker.context[r] for r in tracker.rows], tokens, mask, depths)
         choices, logprobs = self._choose(logits, history)
-        return choices[:, 0], hidden[:, 0], logprobs
+        return PlainPass(choices[:, 0], hidden[:, 0], logprobs)
 
     def _plain_step(self, plan: Plan, roots: list, tic: float) -> list[StepOutput]:
         """A step with nothing drafted: the token after each row's root, from
         the pass issued ahead by the last step when there is one; with
         ``plan.ahead``, the next step's pass is issued before this one's
         token is read."""
-        tracker, profile = self.tracker, self.profile
-        # A pipelined step's wall time is not its pass's: a step that waits
-        # for its own pass is timed as a step, and pipelined ones from one
-        # token to the next.
-        timed, consumed = self.ahead is None and not plan.ahead, self.ahead is not None
-        if self.ahead is None:
-            token, hidden, logprobs = self._plain_pass(mx.array(roots, mx.int32)[:, None], ahead=False)
+        consumed = self.ahead is not None
+        if consumed:
+            now, self.ahead = self.ahead, None
         else:
-            (token, hidden, logprobs), self.ahead = self.ahead, None
+            now = self._plain_pass(mx.array(roots, mx.int32)[:, None], ahead=False)
         if plan.ahead:
-            self.ahead = self._plain_pass(token[:, None], ahead=True)
+            self.ahead = self._plain_pass(now.token[:, None], ahead=True)
             mx.async_eval(self.ahead)
-        rnn = self._search(hidden, token, plan.search_length) if plan.search else None
-        hidden_rows = hidden.astype(mx.float16) if self.with_hidden else None
-        mx.eval(token, rnn, logprobs, hidden_rows)  # the step's one synchronisation
-        if profile is not None:
-            profile.lap("pass")
-            profile.steps += 1
-        rnn = None if rnn is None else [np.array(a) for a in rnn]
-        seconds, (token, self.rnn) = self._settle(tic, (np.array(token), rnn))
-        batch, read = len(roots), time.perf_counter()
-        if timed:
-            self.costs.observe(batch, self.layout.start, 1, seconds, plan.search)
-        elif consumed and self.plain_since is not None:
-            since, rows = self.plain_since
-            # (only when the caller's work between the two steps was short beside the pass)
-            if rows == batch and tic - self.returned < 0.25 * (read - since):
-                self.costs.observe_plain(batch, self.layout.start, read - since)
-        self.plain_since = (read, batch) if plan.ahead else None
+        beams = self._search(now.hidden, now.token, plan.search_length) if plan.search else None
+        hidden_rows = now.hidden.astype(mx.float16) if self.with_hidden else None
+        mx.eval(now.token, beams, now.logprobs, hidden_rows)  # the step's one synchronisation
+        self.profile.lap("pass")
+        self.profile.count_step()
+        seconds, (token, self.beams) = self._settle(tic, (np.array(now.token), host_beams(beams)))
+        batch = len(roots)
+        self.costs.plain_step(batch, self.layout.start, tic, seconds, plan.search, consumed=consumed, ahead=plan.ahead)
         at_root = np.zeros((batch, 1), np.int64)
-        outputs = tracker.emit([[t] for t in token.tolist()], [0] * batch, [1] * batch, logprobs=logprob_lists(logprobs, at_root))
-        self._attach_hidden(outputs, hidden_rows, tracker.rows)
+        outputs = self.tracker.emit([[t] for t in token.tolist()], [0] * batch, [1] * batch, logprobs=logprob_lists(now.logprobs, at_root))
+        self._attach_hidden(outputs, hidden_rows, self.tracker.rows)
         return outputs
 
     def _resolve_ahead(self) -> list[StepOutput]:
@@ -414,13 +413,13 @@ class Decoder:
         if self.ahead is None or not self.tracker.rows:
             self.ahead = None
             return []
-        (token, hidden, logprobs), self.ahead = self.ahead, None
-        hidden_rows = hidden.astype(mx.float16) if self.with_hidden else None
+        ahead, self.ahead = self.ahead, None
+        hidden_rows = ahead.hidden.astype(mx.float16) if self.with_hidden else None
         at_root = np.zeros((len(self.tracker.rows), 1), np.int64)
-        lists = logprob_lists(logprobs, at_root) or [None] * len(self.tracker.rows)
-        going_on = [(r, t, lp) for r, t, lp in zip(self.tracker.rows, np.array(token).tolist(), lists) if r not in self.leaving]
+        lists = logprob_lists(ahead.logprobs, at_root) or [None] * len(self.tracker.rows)
+        going_on = [(r, t, lp) for r, t, lp in zip(self.tracker.rows, np.array(ahead.token).tolist(), lists) if r not in self.leaving]
         rows = [r for r, _, _ in going_on]
-        per_row = None if logprobs is None else [lp for _, _, lp in going_on]
+        per_row = None if ahead.logprobs is None else [lp for _, _, lp in going_on]
         outputs = self.tracker.emit([[t] for _, t, _ in going_on], [0] * len(rows), [1] * len(rows), rows=rows, logprobs=per_row)
         self._attach_hidden(outputs, hidden_rows, self.tracker.rows)
         return self._finished(outputs)
@@ -466,6 +465,12 @@ def fixed_costs(redrafter: ReDrafter, prompts: list, curve: CostCurve, pass_seco
     mx.synchronize()  # (the last plain pass may have been issued ahead)
     around += [pass_seconds(1) for _ in range(3)]
     return fixed, plain * curve(1) / statistics.median(around)
+
+
+def host_beams(beams) -> Optional[Beams]:
+    """Evaluated beams (a (tokens, conditionals) pair of device arrays, as
+    ``Decoder._search`` returns them; or None) as numpy ``Beams``."""
+    return None if beams is None else Beams(*(np.array(a) for a in beams))
 
 
 def logprob_lists(logprobs: Optional[tuple], nodes: np.ndarray) -> Optional[list]:

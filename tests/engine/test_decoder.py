@@ -193,7 +193,7 @@ def test_prompts_join_a_batch_whose_beams_the_budget_shortened():
     record(decoder.join(prompts[:1], 30))
     for _ in range(3):
         record(decoder.step())
-    assert decoder.rnn[0].shape[-1] == 2
+    assert decoder.beams.length == 2
     record(decoder.join(prompts[1:], 30, ids=[1]))
     while decoder.rows:
         outputs = decoder.step()
@@ -278,3 +278,20 @@ def test_each_step_is_sized_by_the_curve_at_its_context():
             outputs = decoder.step()
         assert drafted == drafts
         assert tokens == mlx_lm_greedy(model, prompt, 24)
+
+
+def test_a_profiled_run_times_each_phase_and_decodes_the_same():
+    """A ``StepProfile`` synchronises at every phase (so no plain pass runs
+    ahead) and counts the steps; the tokens are those of a run without one."""
+    from redrafter_mlx.engine.profile import StepProfile
+
+    base = BaseModel(tiny_model("llama", seed=2))
+    redrafter = ReDrafter(base, tiny_drafter(seed=2))
+    prompts = [[5, 6, 7, 5, 6], [9, 3]]
+    for settings in (DraftSettings(max_nodes=6), DraftSettings(max_nodes=0)):
+        plain, _ = run(redrafter, prompts, max_tokens=12, draft=settings)
+        profile = StepProfile()
+        profiled, _ = run(redrafter, prompts, max_tokens=12, draft=settings, profile=profile)
+        assert profiled == plain
+        assert profile.steps > 0 and profile.seconds["prefill"] > 0 and profile.seconds["pass"] > 0
+        assert (profile.seconds["commit"] > 0) == (settings.max_nodes > 0)
