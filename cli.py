@@ -1,11 +1,15 @@
 """The ``redrafter-mlx`` command line (installed as ``redrafter_mlx.cli``).
 
-A Typer app. The option groups several commands share (the model, the
-drafter and drafting, sampling, ...) are declared once below, as
-``Annotated`` aliases whose help panel names the group; each command lists
-the aliases it takes and calls the library. The README's option tables are
-rendered from these same declarations (``option_tables``; a test checks
-that the README holds them as rendered).
+A Typer app. Every option is declared once below: an option several
+commands share is an ``Annotated`` alias whose help panel names its group,
+and one that several commands have alike, each with its own meaning, is a
+function of that meaning (``batch_size_option``). The shared options come
+in groups (the model; the drafter and drafting; sampling), each a small
+frozen dataclass of those aliases that a command takes as one parameter and
+receives as one object (``option_groups`` says how). The README's option
+tables are rendered from these same declarations by
+``scripts/readme_options.py``; a test checks that the README holds them as
+rendered.
 
 Exit statuses, one rule: a bad option value exits 2 with one ``error:``
 line, whether Click finds it (a number out of range) or a settings object
@@ -15,14 +19,16 @@ exits 1 with one ``error:`` line; Ctrl-C exits 130.
 
 import contextlib
 import dataclasses
+import functools
+import inspect
 import json
 import os
 import sys
 import tempfile
-from typing import Annotated, Literal, Optional
+import typing
+from typing import Annotated, Literal, Optional, Union
 
 import typer
-import typer.core
 import typer.main
 
 import redrafter_mlx  # noqa: F401  (preloads OpenBLAS before mlx.core; the API itself loads lazily)
@@ -77,14 +83,13 @@ def positive_seconds(text: str) -> float:
     return value
 
 
-def settings(kind, given: dict, **extra):
-    """A settings dataclass from the options named like its fields; options
-    left unset (None) keep the dataclass's defaults."""
-    names = {f.name for f in dataclasses.fields(kind)}
-    return kind(**dict({k: v for k, v in given.items() if k in names and v is not None}, **extra))
+def given(**options) -> dict:
+    """The options that were given. One left unset is None, and is left out,
+    so that the settings object it would go to keeps its own default."""
+    return {name: value for name, value in options.items() if value is not None}
 
 
-# -- shared option groups -----------------------------------------------------
+# -- shared options -----------------------------------------------------------
 
 MODEL, DRAFTER, SAMPLING, SPLIT_PANEL, ANSWERS_PANEL, LOG_PANEL = (
     "model", "drafter and drafting", "sampling", "several machines (started by mlx.launch)", "earlier answers", "prompt log")
@@ -143,14 +148,170 @@ LogPrompts = Annotated[Optional[str], typer.Option(
     metavar="FILE", help="append each conversation answered to this prompts file, which distill --prompts reads",
     show_default="off", rich_help_panel=LOG_PANEL)]
 
-# Options of one command each, but alike in several.
-PromptsFile = Annotated[Optional[str], typer.Option(
-    "--prompts", metavar="FILE", help='JSONL prompts file: a "prompt", "messages" or "tokens" per line (see "Prompts files")')]
-BatchSize = Annotated[int, typer.Option("--batch-size", "-b", min=1, help="prompts decoded together")]
+
+# Options of one command each, alike in several: each declared once, by a
+# function of what it means in the command that takes it.
 
 
 def max_tokens_option(meaning: str, low: int = 1):
     return Annotated[int, typer.Option("--max-tokens", "-n", min=low, help=meaning)]
+
+
+def batch_size_option(meaning: str, low: Optional[int] = 1, show_default: Union[bool, str] = True):
+    """Prompts decoded together (generate, bench, distill); training positions
+    per step in train, which leaves it unset (None) for its own default and
+    checks it itself (``low`` None)."""
+    return Annotated[Optional[int], typer.Option(
+        "--batch-size", "-b", min=low, help=meaning, show_default=show_default)]
+
+
+def prompts_option(meaning: str, show_default: Union[bool, str] = True):
+    return Annotated[Optional[str], typer.Option("--prompts", metavar="FILE", help=meaning, show_default=show_default)]
+
+
+def output_option(meaning: str):
+    return Annotated[str, typer.Option("--output", "-o", help=meaning)]
+
+
+def data_option(meaning: str):
+    return Annotated[list[str], typer.Option("--data", help=f"{meaning}; repeat for several")]
+
+
+def workers_option(what: str):
+    return Annotated[int, typer.Option(
+        "--workers", min=1, help=f"{what} processes, each with one BLAS thread: 2 on a 2-core CPU, 1 on a GPU")]
+
+
+# -- option groups ------------------------------------------------------------
+
+
+class OptionGroup:
+    """Base of the option groups: frozen dataclasses whose fields are option
+    aliases, each field's default its option's. A command takes a group as
+    one parameter; ``option_groups`` turns it into options and back."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelOptions(OptionGroup):
+    """The base model (``--model``) and the dtype it computes in (``--dtype``)."""
+
+    model: Model = None
+    dtype: Dtype = None
+
+    @property
+    def compute_dtype(self) -> Optional[str]:
+        """The loader's ``dtype``: "auto" (the platform's choice) when none
+        is given, None for native (the file's own), else the dtype named."""
+        return "auto" if self.dtype is None else (None if self.dtype == "native" else self.dtype)
+
+    def load(self, drafter: Optional[str], ranks):
+        """(Redrafter, tokenizer): this model and ``drafter``, split over ``ranks``."""
+        from redrafter_mlx.loading.loader import load
+
+        return load(self.model, drafter=drafter, dtype=self.compute_dtype, ranks=ranks)
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftOptions(OptionGroup):
+    """The drafter (``--drafter``) and how each step drafts."""
+
+    drafter: Drafter = None
+    beam_width: BeamWidth = None
+    beam_length: BeamLength = None
+    max_nodes: MaxNodes = None
+    no_lookup: NoLookup = False
+    lookup_length: LookupLength = None
+    lookup_max_ngram: LookupMaxNgram = None
+    datastore_beams: DatastoreBeams = None
+
+    def settings(self):
+        """The ``DraftSettings`` these options give (options left unset or
+        ``auto`` keep its defaults); a bad value raises ``UserError``."""
+        from redrafter_mlx.drafting.settings import DraftSettings
+
+        if self.drafter == "none" and self.beam_width is not None:
+            raise UserError("--beam-width sets the RNN drafter's search; it does not go with --drafter none")
+        return DraftSettings(**given(
+            beam_width=self.beam_width, beam_length=self.beam_length, max_nodes=self.max_nodes,
+            lookup=False if self.no_lookup else None, lookup_length=self.lookup_length,
+            lookup_max_ngram=self.lookup_max_ngram, datastore_beams=self.datastore_beams))
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingOptions(OptionGroup):
+    """How the next token is chosen; each field is ``SamplingSettings``' own."""
+
+    temp: Temp = None
+    top_p: TopP = None
+    top_k: TopK = None
+    min_p: MinP = None
+    repetition_penalty: RepetitionPenalty = None
+    seed: Seed = None
+
+    def settings(self):
+        """The ``SamplingSettings`` these options give (options left unset
+        keep its defaults); a bad value raises ``UserError``."""
+        from redrafter_mlx.engine.sampling import SamplingSettings
+
+        return SamplingSettings(**given(**dataclasses.asdict(self)))
+
+
+def leaving_out(group: type, *names: str):
+    """The annotation of a parameter that takes ``group`` but its options
+    ``names``: the command does not offer those, and they keep their defaults."""
+    return Annotated[group, frozenset(names)]
+
+
+def group_taken(annotation) -> tuple:
+    """(group, the names of the options taken from it) for a parameter
+    annotated with an option group, plain or ``leaving_out`` some; else
+    (None, ())."""
+    left_out = frozenset()
+    if typing.get_origin(annotation) is Annotated:
+        annotation, *extras = typing.get_args(annotation)
+        left_out = frozenset().union(*(extra for extra in extras if isinstance(extra, frozenset)))
+    if not (isinstance(annotation, type) and issubclass(annotation, OptionGroup)):
+        return None, ()
+    names = [field.name for field in dataclasses.fields(annotation)]
+    if left_out - set(names):
+        raise TypeError(f"{annotation.__name__} has no options {sorted(left_out - set(names))}")
+    return annotation, [name for name in names if name not in left_out]
+
+
+def option_groups(command):
+    """``command`` with each parameter annotated with an option group
+    (``base: ModelOptions = ModelOptions()``) turned into that group's options.
+
+    Typer makes a command's options from its signature, one parameter each.
+    The signature this returns holds, in place of each group parameter, the
+    group's fields as parameters (their aliases and defaults, in their
+    order), so the options appear where the parameter stands; each call then
+    gathers their values back into one object of the group for ``command``.
+    Typer, and so ``--help``, completion and the README's tables, sees only
+    plain options. An option named twice in one command is a ``ValueError``
+    here, on import."""
+    signature = inspect.signature(command)
+    groups = {}  # group parameter -> (group, the names of its fields taken)
+    parameters = []
+    for parameter in signature.parameters.values():
+        group, names = group_taken(parameter.annotation)
+        if group is None:
+            parameters.append(parameter)
+            continue
+        groups[parameter.name] = (group, names)
+        fields = {field.name: field for field in dataclasses.fields(group)}
+        parameters += [inspect.Parameter(name, parameter.kind, default=fields[name].default,
+                                         annotation=fields[name].type) for name in names]
+
+    @functools.wraps(command)
+    def run(**options):
+        for parameter, (group, names) in groups.items():
+            options[parameter] = group(**{name: options.pop(name) for name in names})
+        return command(**options)
+
+    run.__signature__ = signature.replace(parameters=parameters)
+    run.__annotations__ = {parameter.name: parameter.annotation for parameter in parameters}
+    return run
 
 
 # -- the app ------------------------------------------------------------------
@@ -175,30 +336,6 @@ def top(version: Annotated[bool, typer.Option("--version", callback=version_call
 
 
 # -- helpers the commands share -----------------------------------------------
-
-
-def dtype_of(dtype: Optional[str]) -> Optional[str]:
-    return "auto" if dtype is None else (None if dtype == "native" else dtype)
-
-
-def draft_settings(given: dict):
-    from redrafter_mlx.drafting.settings import DraftSettings
-
-    if given.get("drafter") == "none" and given.get("beam_width") is not None:
-        raise UserError("--beam-width sets the RNN drafter's search; it does not go with --drafter none")
-    return settings(DraftSettings, given, **({"lookup": False} if given.get("no_lookup") else {}))
-
-
-def sampling_settings(given: dict, **defaults):
-    from redrafter_mlx.engine.sampling import SamplingSettings
-
-    return settings(SamplingSettings, dict(defaults, **{k: v for k, v in given.items() if v is not None}))
-
-
-def load_pair(model, drafter, dtype, ranks):
-    from redrafter_mlx.loading.loader import load
-
-    return load(model, drafter, dtype=dtype_of(dtype), ranks=ranks)
 
 
 def join_ranks(split: str):
@@ -249,29 +386,28 @@ def dim(text: str, stream=sys.stderr) -> str:
 
 
 @app.command()
+@option_groups
 def generate(
     prompt: Annotated[str, typer.Option("--prompt", "-p", help="message for the model; - reads it from standard input")] = "hello",
-    prompts: PromptsFile = None,
-    batch_size: BatchSize = 1,
+    prompts: prompts_option(
+        'JSONL prompts file: a "prompt", "messages" or "tokens" per line (see "Prompts files")') = None,
+    batch_size: batch_size_option("prompts decoded together") = 1,
     max_tokens: max_tokens_option("most new tokens") = 256,
     ignore_chat_template: Annotated[bool, typer.Option("--ignore-chat-template", help="encode the prompt as it is, without the chat template")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="print one JSON object: text, tokens, prompt_tokens, generation_tokens, steps, tokens_per_step, nodes_per_step, generation_tps, finish_reason, ranks")] = False,
-    model: Model = None, dtype: Dtype = None, drafter: Drafter = None, beam_width: BeamWidth = None, beam_length: BeamLength = None,
-    max_nodes: MaxNodes = None, no_lookup: NoLookup = False, lookup_length: LookupLength = None, lookup_max_ngram: LookupMaxNgram = None,
-    datastore_beams: DatastoreBeams = None, temp: Temp = None, top_p: TopP = None, top_k: TopK = None, min_p: MinP = None,
-    repetition_penalty: RepetitionPenalty = None, seed: Seed = None, split: Split = "pipeline",
+    base: ModelOptions = ModelOptions(), drafting: DraftOptions = DraftOptions(),
+    sampling: SamplingOptions = SamplingOptions(), split: Split = "pipeline",
 ):
     """One prompt, streamed; or every prompt of a file, batched, one JSON line per prompt."""
     from redrafter_mlx.engine.sampling import make_chooser
     from redrafter_mlx.serving.prompts import read_prompts
 
-    given = locals()
     with checking_options():
-        draft, choose = draft_settings(given), make_chooser(sampling_settings(given))
+        draft, choose = drafting.settings(), make_chooser(sampling.settings())
     texts = read_prompts(prompts) if prompts else None
     text = read_prompt(prompt) if texts is None else None
     ranks = join_ranks(split)
-    redrafter, tokenizer = load_pair(model, drafter, dtype, ranks)
+    redrafter, tokenizer = base.load(drafting.drafter, ranks)
     options = dict(vars(draft), choose=choose, chat_template=not ignore_chat_template)
     if texts is not None:
         print_batch(redrafter, tokenizer, texts, max_tokens, batch_size, options)
@@ -281,19 +417,19 @@ def generate(
 
 
 def print_batch(redrafter, tokenizer, texts, max_tokens, batch_size, options) -> None:
-    from redrafter_mlx.serving.api import batch_generate
+    from redrafter_mlx.serving.api import batch_steps
 
-    for result in batch_generate(redrafter, tokenizer, texts, max_tokens, batch_size=batch_size, **options):
+    for result in batch_steps(redrafter, tokenizer, texts, max_tokens, batch_size=batch_size, **options):
         tps = len(result.tokens) / result.seconds if result.seconds else 0.0
         print(json.dumps(summary(result.text, result.tokens, result.prompt_tokens, result.steps, result.step_tokens, result.step_nodes, tps, result.finish_reason)), flush=True)
 
 
 def stream_one(redrafter, tokenizer, prompt, max_tokens, json_out, num_ranks, options) -> None:
-    from redrafter_mlx.serving.api import encode_prompt, stream_generate
+    from redrafter_mlx.serving.api import encode_prompt, stream_steps
 
     prompt_ids = encode_prompt(tokenizer, prompt, chat_template=options.pop("chat_template"))
     text, tokens, last = "", [], None
-    for last in stream_generate(redrafter, tokenizer, prompt_ids, max_tokens, **options):
+    for last in stream_steps(redrafter, tokenizer, prompt_ids, max_tokens, **options):
         text += last.text
         tokens += last.tokens
         if not json_out:
@@ -327,13 +463,12 @@ def summary(text, tokens, prompt_tokens, steps, step_tokens, step_nodes, generat
 
 
 @app.command()
+@option_groups
 def chat(
     max_tokens: max_tokens_option("most new tokens per answer") = 512,
     system_prompt: Annotated[Optional[str], typer.Option(help="system message at the start of the conversation")] = None,
-    model: Model = None, dtype: Dtype = None, drafter: Drafter = None, beam_width: BeamWidth = None, beam_length: BeamLength = None,
-    max_nodes: MaxNodes = None, no_lookup: NoLookup = False, lookup_length: LookupLength = None, lookup_max_ngram: LookupMaxNgram = None,
-    datastore_beams: DatastoreBeams = None, temp: Temp = None, top_p: TopP = None, top_k: TopK = None, min_p: MinP = None,
-    repetition_penalty: RepetitionPenalty = None, seed: Seed = None, log_prompts: LogPrompts = None, answer_store_mb: AnswerStoreMb = 64,
+    base: ModelOptions = ModelOptions(), drafting: DraftOptions = DraftOptions(),
+    sampling: SamplingOptions = SamplingOptions(), log_prompts: LogPrompts = None, answer_store_mb: AnswerStoreMb = 64,
 ):
     """A multi-turn chat in the terminal; answers stream as they are accepted.
 
@@ -347,25 +482,24 @@ def chat(
       Ctrl-C         stop an answer
     """
     from redrafter_mlx.engine.distributed import ONE_PROCESS
-    from redrafter_mlx.engine.sampling import SamplingSettings, make_chooser
+    from redrafter_mlx.engine.sampling import make_chooser
     from redrafter_mlx.serving.chat import chat_loop, chat_sampling
 
-    given = locals()
     with checking_options():
-        draft = draft_settings(given)
-        SamplingSettings(**{k: given[k] for k in ("temp", "top_p", "top_k", "min_p", "repetition_penalty", "seed") if given[k] is not None})
+        draft = drafting.settings()
+        sampling.settings()  # checked now; what the chat samples with also takes the model's recommendation
     log = prompt_log(log_prompts)
-    redrafter, tokenizer = load_pair(model, drafter, dtype, ONE_PROCESS)  # a chat runs in one process
+    redrafter, tokenizer = base.load(drafting.drafter, ONE_PROCESS)  # a chat runs in one process
     redrafter.answers = answer_store(answer_store_mb)
     if not tokenizer.has_chat_template:
         raise UserError("this model's tokenizer has no chat template; use `redrafter-mlx generate`")
-    sampling = chat_sampling(redrafter.generation_config, temp=temp, top_p=top_p, top_k=top_k, min_p=min_p,
-                             repetition_penalty=repetition_penalty, seed=seed)
-    chat_loop(redrafter, tokenizer, max_tokens, system_prompt, prompt_log=log, choose=make_chooser(sampling),
+    chosen = chat_sampling(redrafter.generation_config, **dataclasses.asdict(sampling))
+    chat_loop(redrafter, tokenizer, max_tokens, system_prompt, prompt_log=log, choose=make_chooser(chosen),
               dim=lambda text: dim(text, sys.stdout), **vars(draft))
 
 
 @app.command()
+@option_groups
 def serve(
     host: Annotated[str, typer.Option(help="address to listen on; 0.0.0.0 serves other machines too")] = "127.0.0.1",
     port: Annotated[int, typer.Option(min=1, max=65535, help="port")] = 8080,
@@ -383,18 +517,16 @@ def serve(
     keep_alive: Annotated[float, typer.Option(parser=positive_seconds, metavar="SECONDS", help="seconds between keep-alive comments of a streamed answer that waits or prefills")] = 5.0,
     shutdown_timeout: Annotated[float, typer.Option(min=0, help="on SIGTERM, seconds running requests may finish")] = 30.0,
     access_log: Annotated[bool, typer.Option("--access-log/--no-access-log", help="write a line per request on stderr (client, method, path, status, seconds)")] = True,
-    model: Model = None, dtype: Dtype = None, drafter: Drafter = None, beam_width: BeamWidth = None, beam_length: BeamLength = None,
-    max_nodes: MaxNodes = None, no_lookup: NoLookup = False, lookup_length: LookupLength = None, lookup_max_ngram: LookupMaxNgram = None,
-    datastore_beams: DatastoreBeams = None, log_prompts: LogPrompts = None, answer_store_mb: AnswerStoreMb = 64, split: Split = "pipeline",
+    base: ModelOptions = ModelOptions(), drafting: DraftOptions = DraftOptions(),
+    log_prompts: LogPrompts = None, answer_store_mb: AnswerStoreMb = 64, split: Split = "pipeline",
 ):
     """An HTTP server with the OpenAI and Anthropic APIs that batches concurrent requests (see "Serving")."""
     from redrafter_mlx.serving.chat_format import ChatRenderer
     from redrafter_mlx.serving.process import is_loopback, listen, stopped_by_sigterm
     from redrafter_mlx.serving.server import Limits, run_server
 
-    given = locals()
     with checking_options():
-        draft = draft_settings(given)
+        draft = drafting.settings()
     with stopped_by_sigterm():  # a SIGTERM while loading or measuring ends cleanly too
         log = prompt_log(log_prompts)
         key = api_key or os.environ.get(API_KEY_ENV) or None
@@ -402,7 +534,7 @@ def serve(
         if ranks.rank > 0:  # the HTTP server is rank 0's; this rank follows its steps
             from redrafter_mlx.serving.scheduler import follow
 
-            redrafter, tokenizer = load_pair(model, drafter, dtype, ranks)
+            redrafter, tokenizer = base.load(drafting.drafter, ranks)
             redrafter.answers = answer_store(answer_store_mb)
             follow(redrafter, ChatRenderer(tokenizer).eos_token_ids, draft, max_batch)  # the answers end as rank 0's do
             ranks.end()
@@ -410,9 +542,9 @@ def serve(
         sock = listen(host, port)
         if key is None and not is_loopback(host):
             print(f"warning: serving beyond this machine ({host}) with no API key: anyone who can reach it may use it (--api-key)", file=sys.stderr)
-        redrafter, tokenizer = load_pair(model, drafter, dtype, ranks)
+        redrafter, tokenizer = base.load(drafting.drafter, ranks)
         redrafter.answers = answer_store(answer_store_mb)
-        name = os.path.basename(model.rstrip("/")) if model else "SmolLM2-135M-Instruct"
+        name = os.path.basename(base.model.rstrip("/")) if base.model else "SmolLM2-135M-Instruct"
         run_server(redrafter, tokenizer, draft, sock, name, max_batch=max_batch, max_tokens=max_tokens, max_output_tokens=max_output_tokens,
                    cache_bytes=int(prompt_cache_mb * 2**20), prompt_log=log, api_key=key,
                    limits=Limits(max_body_bytes, read_timeout, max_header_bytes, max_connections),
@@ -422,30 +554,30 @@ def serve(
 
 
 @app.command()
+@option_groups
 def bench(
-    prompts: Annotated[Optional[str], typer.Option(metavar="FILE", help="JSONL prompts file", show_default="8 built-in prompts")] = None,
+    prompts: prompts_option("JSONL prompts file", show_default="8 built-in prompts") = None,
     num_prompts: Annotated[int, typer.Option(min=1, help="use the first N prompts, after --every")] = 8,
     every: Annotated[int, typer.Option(min=1, help="use every K-th prompt of the file")] = 1,
     max_tokens: max_tokens_option("tokens generated per prompt") = 128,
     configs: Annotated[str, typer.Option(help="comma-separated: auto (the defaults), lookup (no drafter), nodes:K (the defaults' drafts, K nodes verified every step), rnn:WxL (the RNN's beams, all verified: the paper's method), both:WxL (those and one lookup continuation)")] = "auto,lookup,rnn:4x5,both:4x5",
-    batch_size: Annotated[int, typer.Option("--batch-size", "-b", min=1, help="prompts decoded together; 1 compares against mlx-lm's own loop")] = 1,
+    batch_size: batch_size_option("prompts decoded together; 1 compares against mlx-lm's own loop") = 1,
     repeats: Annotated[int, typer.Option(min=1, help="times each batch is measured; its speed-up is their median")] = 1,
     calibrate: Annotated[bool, typer.Option("--calibrate", help="measure the cost curve again first")] = False,
     json_path: Annotated[Optional[str], typer.Option("--json", metavar="FILE", help="write results, machine and settings to this file", show_default="bench-DATE-TIME.json in the working folder")] = None,
     plot: Annotated[Optional[str], typer.Option(metavar="PNG", help="draw the speed-ups to this PNG (needs matplotlib)")] = None,
     profile: Annotated[bool, typer.Option("--profile", help="print the milliseconds a step spends drafting, packing, in the pass, choosing and accepting, committing and on the host")] = False,
-    model: Model = None, dtype: Dtype = None, drafter: Drafter = None,
-    temp: Temp = None, top_p: TopP = None, top_k: TopK = None, min_p: MinP = None, seed: Seed = None, split: Split = "pipeline",
+    base: ModelOptions = ModelOptions(), drafter: Drafter = None,
+    sampling: leaving_out(SamplingOptions, "repetition_penalty") = SamplingOptions(), split: Split = "pipeline",
 ):
     """Plain decoding against ReDrafter on the same prompts, alternating, in one process."""
     from redrafter_mlx.engine.sampling import make_chooser
     from redrafter_mlx.serving import bench as benchmark
     from redrafter_mlx.serving.prompts import read_prompts
 
-    given = locals()
     with checking_options():
         chosen = benchmark.parse_configs(configs)
-        sampling = sampling_settings(given)
+        settings = sampling.settings()
     if plot:
         try:
             import matplotlib  # noqa: F401
@@ -453,50 +585,53 @@ def bench(
             raise Usage("--plot needs matplotlib: pip install matplotlib") from None
     texts = (read_prompts(prompts) if prompts else benchmark.DEFAULT_PROMPTS)[::every][:num_prompts]
     ranks = join_ranks(split)
-    redrafter, tokenizer = load_pair(model, drafter, dtype, ranks)
+    redrafter, tokenizer = base.load(drafter, ranks)
     if redrafter.drafter is None and any(c.name.startswith(("rnn", "both")) for c in chosen):
         raise Usage("the rnn and both configurations need a drafter")
-    used = dict(model=model or "default", drafter=drafter or "default", prompts=prompts or "built-in", every=every,
-                max_tokens=max_tokens, temp=temp or 0.0, top_p=top_p or 1.0, seed=seed or 0, batch_size=batch_size, repeats=repeats)
-    benchmark.bench_command(redrafter, tokenizer, texts, chosen, make_chooser(sampling), used, ranks=ranks, refresh=calibrate,
-                            json_path=json_path, plot=plot, profile=profile)
+    used = dict(model=base.model or "default", drafter=drafter or "default", prompts=prompts or "built-in", every=every,
+                max_tokens=max_tokens, temp=sampling.temp or 0.0, top_p=sampling.top_p or 1.0, seed=sampling.seed or 0,
+                batch_size=batch_size, repeats=repeats)
+    benchmark.bench_command(redrafter, tokenizer, texts, chosen, make_chooser(settings), used, ranks=ranks,
+                            refresh=calibrate, json_path=json_path, plot=plot, profile=profile)
     ranks.end()
 
 
 @app.command()
+@option_groups
 def distill(
-    output: Annotated[str, typer.Option("--output", "-o", help="data folder to create, or to resume")],
-    prompts: Annotated[Optional[str], typer.Option(metavar="FILE", help="JSONL prompts file (serve and chat --log-prompts write such files)")] = None,
+    output: output_option("data folder to create, or to resume"),
+    prompts: prompts_option("JSONL prompts file (serve and chat --log-prompts write such files)") = None,
     self_prompts: Annotated[Optional[int], typer.Option(min=1, metavar="N", help="instead of --prompts: the model writes N distinct user turns itself (kept in OUTPUT/self-prompts.jsonl), then answers them")] = None,
     max_tokens: max_tokens_option("most answer tokens per prompt") = 256,
-    batch_size: Annotated[int, typer.Option("--batch-size", "-b", min=1, help="prompts generated together; finished ones are replaced by waiting ones")] = 64,
+    batch_size: batch_size_option("prompts generated together; finished ones are replaced by waiting ones") = 64,
     limit: Annotated[Optional[int], typer.Option(min=1, help="use only the first N prompts")] = None,
     samples: Annotated[int, typer.Option(min=1, help="sampled answers per prompt (needs --temp above 0)")] = 1,
-    workers: Annotated[int, typer.Option(min=1, help="generating processes, each with one BLAS thread: 2 on a 2-core CPU, 1 on a GPU")] = 1,
+    workers: workers_option("generating") = 1,
     shard_size: Annotated[int, typer.Option(min=1, help="answers per shard file: the most a run stopped part-way loses")] = 256,
-    model: Model = None, dtype: Dtype = None,
-    temp: Temp = None, top_p: TopP = None, top_k: TopK = None, min_p: MinP = None, repetition_penalty: RepetitionPenalty = None, seed: Seed = None,
+    base: ModelOptions = ModelOptions(), sampling: SamplingOptions = SamplingOptions(),
 ):
     """Distillation data: the base model's own answers to prompts, and the hidden states behind them."""
     from redrafter_mlx.training.distill import distill_command
 
-    given = locals()
     with checking_options():
         if (prompts is None) == (self_prompts is None):
             raise UserError("give either --prompts FILE or --self-prompts N")
-        sampling = sampling_settings(given)
-    totals = distill_command(output, model, dtype_of(dtype), sampling, prompts=prompts, self_prompts=self_prompts, limit=limit,
-                             max_tokens=max_tokens, batch_size=batch_size, samples=samples, workers=workers, shard_size=shard_size)
+        settings = sampling.settings()
+    totals = distill_command(output, base.model, base.compute_dtype, settings, prompts=prompts,
+                             self_prompts=self_prompts, limit=limit, max_tokens=max_tokens, batch_size=batch_size,
+                             samples=samples, workers=workers, shard_size=shard_size)
     print(f"{totals['new_responses']} responses, {totals['new_tokens']} new tokens in {totals['seconds']:.0f} s; "
           f"{output} holds {totals['responses']} responses to {totals['prompts']} prompts")
 
 
 @app.command()
+@option_groups
 def train(
-    data: Annotated[list[str], typer.Option(help="distillation data folder; repeat for several")],
-    output: Annotated[str, typer.Option("--output", "-o", help="drafter folder to write, holding only the drafter (uploadable as it is); training resumes from OUTPUT.train/")],
+    data: data_option("distillation data folder"),
+    output: output_option(
+        "drafter folder to write, holding only the drafter (uploadable as it is); training resumes from OUTPUT.train/"),
     steps: Annotated[Optional[int], typer.Option(help="optimizer steps", show_default="2000")] = None,
-    batch_size: Annotated[Optional[int], typer.Option("--batch-size", "-b", help="training positions per step", show_default="1024")] = None,
+    batch_size: batch_size_option("training positions per step", low=None, show_default="1024") = None,
     learning_rate: Annotated[Optional[float], typer.Option(help="peak AdamW learning rate (linear warm-up, then cosine decay)", show_default="1e-3")] = None,
     warmup: Annotated[Optional[int], typer.Option(help="warm-up steps", show_default="100")] = None,
     weight_decay: Annotated[Optional[float], typer.Option(help="AdamW weight decay", show_default="0")] = None,
@@ -512,32 +647,39 @@ def train(
     eval_every: Annotated[Optional[int], typer.Option(help="evaluate on held-out positions every N steps", show_default="250")] = None,
     save_every: Annotated[Optional[int], typer.Option(help="write a resumable checkpoint every N steps", show_default="250")] = None,
     seed: Annotated[Optional[int], typer.Option(help="initialisation and data-order seed", show_default="0")] = None,
-    model: Model = None, dtype: Dtype = None,
+    base: ModelOptions = ModelOptions(),
 ):
     """Train a drafter on distilled data (resumes from its checkpoint)."""
     from redrafter_mlx.training.train import TrainConfig, train_drafter
 
-    given = dict(locals(), warm_start=warm_start or None)
     with checking_options():
-        config = settings(TrainConfig, given, dtype=drafter_dtype)
-    result = train_drafter(data, output, config, model, dtype_of(dtype), resumed=lambda step: print(f"resuming from step {step}"))
+        config = TrainConfig(dtype=drafter_dtype, **given(
+            steps=steps, batch_size=batch_size, learning_rate=learning_rate, warmup=warmup, weight_decay=weight_decay,
+            grad_clip=grad_clip, warm_start=warm_start, freeze_head_steps=freeze_head_steps, hidden_loss=hidden_loss,
+            depth=depth, exit_dim=exit_dim, num_draft_layers=num_draft_layers, draft_vocab=draft_vocab,
+            eval_every=eval_every, save_every=save_every, seed=seed))
+    result = train_drafter(data, output, config, base.model, base.compute_dtype,
+                           resumed=lambda step: print(f"resuming from step {step}"))
     print(f"drafter written to {output}: {json.dumps(result)}")
 
 
 @app.command("make-drafter")
+@option_groups
 def make_drafter(
-    output: Annotated[str, typer.Option("--output", "-o", help="drafter folder to make, written once it is finished; its work goes beside it, in OUTPUT.make/, and a run resumes from it")],
-    prompts: Annotated[Optional[str], typer.Option(metavar="FILE", help="JSONL prompts file (a prompt log too); a chat model writes its own when none is given")] = None,
+    output: output_option("drafter folder to make, written once it is finished; its work goes beside it, "
+                          "in OUTPUT.make/, and a run resumes from it"),
+    prompts: prompts_option(
+        "JSONL prompts file (a prompt log too); a chat model writes its own when none is given") = None,
     hours: Annotated[float, typer.Option(min=0.01, help="time to spend on this machine, all stages together; sizes come from it")] = 6.0,
     held_out: Annotated[Optional[int], typer.Option(min=1, help="prompts held out of training, to measure the drafter on", show_default="5 %, at most 48")] = None,
     max_prompts: Annotated[Optional[int], typer.Option(min=2, help="prompts to distil, instead of what --hours allows")] = None,
     steps: Annotated[Optional[int], typer.Option(min=1, help="training steps, instead of what --hours allows")] = None,
     max_tokens: max_tokens_option("most answer tokens per distilled prompt") = 256,
     measure_prompts: Annotated[Optional[int], typer.Option(min=1, help="held-out prompts the final measurement runs on", show_default="12")] = None,
-    workers: Annotated[int, typer.Option(min=1, help="distilling processes, each with one BLAS thread: 2 on a 2-core CPU, 1 on a GPU")] = 1,
+    workers: workers_option("distilling") = 1,
     seed: Annotated[int, typer.Option(help="the split's, the sampling's and training's seed")] = 0,
     plan: Annotated[Optional[str], typer.Option(metavar="FILE", help="a plan written by hand (its own prompts files, runs and settings) instead of one made for --hours")] = None,
-    model: Model = None, dtype: Dtype = None,
+    base: ModelOptions = ModelOptions(),
 ):
     """Make a drafter for a model: prompts, distillation, training, datastore and the measured speed, in resumable stages.
 
@@ -549,8 +691,9 @@ def make_drafter(
 
     if plan is not None and any(v is not None for v in (prompts, held_out, max_prompts, steps, measure_prompts)):
         raise Usage("--plan gives the prompts and sizes itself: it does not go with --prompts, --held-out, --max-prompts, --steps or --measure-prompts")
-    figures = make(output, model, prompts=prompts, hours=hours, held_out=held_out, max_prompts=max_prompts, steps=steps, max_tokens=max_tokens,
-                   measure_prompts=measure_prompts, seed=seed, dtype=dtype_of(dtype), workers=workers, plan_file=plan,
+    figures = make(output, base.model, prompts=prompts, hours=hours, held_out=held_out, max_prompts=max_prompts,
+                   steps=steps, max_tokens=max_tokens, measure_prompts=measure_prompts, seed=seed,
+                   dtype=base.compute_dtype, workers=workers, plan_file=plan,
                    command=shlex.join([PROG, *sys.argv[1:]]) if sys.argv[1:2] == ["make-drafter"] else None,
                    say=lambda line: print(line, file=sys.stderr, flush=True))
     print(f"drafter written to {output}: {json.dumps(figures)}")
@@ -558,7 +701,7 @@ def make_drafter(
 
 @app.command()
 def datastore(
-    data: Annotated[list[str], typer.Option(help="distillation data folder of the drafter's model; repeat for several")],
+    data: data_option("distillation data folder of the drafter's model"),
     drafter: Annotated[str, typer.Option(help="drafter folder whose datastore.npy is written")],
 ):
     """Add a datastore to a drafter: its base model's distilled answers.
@@ -606,85 +749,6 @@ def convert(
     print(f"wrote {done['tensors']} tensors ({done['bytes'] / 1e6:.1f} MB) to {done['path']}")
 
 
-# -- the README's option tables -------------------------------------------------
-
-
-def command_options(name: str) -> list:
-    """The options of one command (click parameters), in declaration order."""
-    group = typer.main.get_command(app)
-    return [p for p in group.commands[name].params if isinstance(p, typer.core.TyperOption) and not p.hidden]
-
-
-def _default_text(option) -> str:
-    if option.required:
-        return "required"
-    if isinstance(option.show_default, str):
-        return option.show_default
-    if option.default is None or option.default is False or option.is_flag:
-        return ""
-    return str(option.default)
-
-
-def _row(option) -> str:
-    flags = ", ".join(f"`{flag}`" for flag in option.opts + option.secondary_opts)
-    return f"| {flags} | {_default_text(option)} | {option.help} |"
-
-
-def option_table(options: list) -> str:
-    return "\n".join(["| option | default | meaning |", "|---|---|---|"] + [_row(o) for o in options])
-
-
-def option_tables() -> dict:
-    """Markdown tables keyed by README marker: ``shared <panel>`` for each
-    shared group (with the commands that take it), ``command <name>`` for
-    each command's own options (and the shared groups it also takes)."""
-    names = list(typer.main.get_command(app).commands)
-    groups: dict = {}  # panel -> {option name: option}, in first-seen order
-    takes: dict = {}  # command -> {panel: [option names]}
-    users: dict = {}  # panel -> commands
-    for name in names:
-        for option in command_options(name):
-            panel = getattr(option, "rich_help_panel", None)
-            if panel is not None:
-                groups.setdefault(panel, {}).setdefault(option.name, option)
-                takes.setdefault(name, {}).setdefault(panel, []).append(option.name)
-                if name not in users.setdefault(panel, []):
-                    users[panel].append(name)
-    tables = {}
-    for name in names:
-        own = [o for o in command_options(name) if getattr(o, "rich_help_panel", None) is None]
-        table = option_table(own) if own else "No options of its own."
-        plus = []
-        for panel, taken in takes.get(name, {}).items():
-            left_out = [o for n, o in groups[panel].items() if n not in taken]
-            if len(taken) <= len(left_out):
-                plus.append(f"{panel} ({', '.join(f'`{groups[panel][n].opts[0]}`' for n in taken)} only)")
-            elif left_out:
-                plus.append(f"{panel} (not {', '.join(f'`{o.opts[0]}`' for o in left_out)})")
-            else:
-                plus.append(panel)
-        if plus:
-            table += f"\n\nPlus the shared options: {'; '.join(plus)}."
-        tables[f"command {name}"] = table
-    for panel, options in groups.items():
-        tables[f"shared {panel}"] = f"Taken by {', '.join(f'`{u}`' for u in users[panel])}:\n\n" + option_table(list(options.values()))
-    return tables
-
-
-def render_readme(text: str) -> str:
-    """The README with every ``<!-- options: KEY -->`` ... ``<!-- end -->``
-    block replaced by the current table for KEY."""
-    import re
-
-    tables = option_tables()
-
-    def replace(match):
-        key = match.group(1)
-        if key not in tables:
-            raise KeyError(f"README names options {key!r}, which no command has")
-        return f"<!-- options: {key} -->\n{tables[key]}\n<!-- end -->"
-
-    return re.sub(r"<!-- options: (.+?) -->\n.*?<!-- end -->", replace, text, flags=re.S)
 
 
 # -- entry point ----------------------------------------------------------------

@@ -498,23 +498,54 @@ def test_serve_ended_by_sigterm_while_it_measures_exits_0(tmp_path):
     assert "stopped (SIGTERM) before serving" in rest and "Traceback" not in rest
 
 
+def test_option_groups_lay_a_group_out_in_its_place_and_hand_the_command_one_object():
+    import inspect
+
+    from redrafter_mlx.cli import ModelOptions, SamplingOptions, leaving_out, option_groups
+
+    got = {}
+
+    @option_groups
+    def command(first: int = 1, base: ModelOptions = ModelOptions(),
+                sampling: leaving_out(SamplingOptions, "seed") = SamplingOptions(), last: int = 2):
+        got.update(first=first, base=base, sampling=sampling, last=last)
+
+    names = ["first", "model", "dtype", "temp", "top_p", "top_k", "min_p", "repetition_penalty", "last"]
+    assert list(inspect.signature(command).parameters) == names
+    command(first=3, model="m", dtype=None, temp=0.5, top_p=None, top_k=None, min_p=None, repetition_penalty=None, last=4)
+    assert got == dict(first=3, base=ModelOptions(model="m"), sampling=SamplingOptions(temp=0.5), last=4)
+
+    def twice(model: str = "", base: ModelOptions = ModelOptions()):
+        pass
+
+    def misspelt(sampling: leaving_out(SamplingOptions, "tmp") = SamplingOptions()):
+        pass
+
+    with pytest.raises(ValueError, match="duplicate parameter name: 'model'"):
+        option_groups(twice)
+    with pytest.raises(TypeError, match="SamplingOptions has no options"):
+        option_groups(misspelt)
+
+
 def test_the_readme_holds_the_option_tables_the_declarations_make():
     """The README's option tables are rendered from the same declarations
     as --help (scripts/readme_options.py writes them); every option of every
     command appears in one."""
-    from redrafter_mlx.cli import command_options, option_tables, render_readme
+    import importlib.util
 
-    with open(os.path.join(ROOT, "README.md")) as f:
-        readme = f.read()
-    assert render_readme(readme) == readme, "run: python3 scripts/readme_options.py"
-    tables = option_tables()
-    for key in tables:
-        assert f"<!-- options: {key} -->" in readme
     import typer.main
 
     from redrafter_mlx.cli import app
 
+    spec = importlib.util.spec_from_file_location("readme_options", os.path.join(ROOT, "scripts", "readme_options.py"))
+    tables = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tables)  # defines the renderer; writes nothing unless run as a script
+    with open(os.path.join(ROOT, "README.md")) as f:
+        readme = f.read()
+    assert tables.render_readme(readme) == readme, "run: python3 scripts/readme_options.py"
+    for key in tables.option_tables():
+        assert f"<!-- options: {key} -->" in readme
     rows = "\n".join(line for line in readme.splitlines() if line.startswith("|"))
     for name in typer.main.get_command(app).commands:
-        for option in command_options(name):
+        for option in tables.command_options(name):
             assert f"`{option.opts[0]}`" in rows, f"{name} {option.opts[0]}"
