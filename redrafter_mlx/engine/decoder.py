@@ -24,7 +24,7 @@ positions and no mask, that mlx-lm's own loop feeds.
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterator, NamedTuple, Optional, Sequence
+from typing import Callable, Iterator, NamedTuple, Optional, Sequence, Union
 
 import mlx.core as mx
 import numpy as np
@@ -49,15 +49,18 @@ class PlainPass(NamedTuple):
     """One plain pass's results for the rows in batch order, lazy: token
     (B,) the chosen tokens; hidden (B, hidden_size) the hidden states they
     were chosen from; logprobs the chooser's (chosen, top ids, top
-    log-probabilities) arrays, or None."""
+    log-probabilities) arrays, or None; distributions (B, 1, vocab) what
+    the tokens were chosen from, when the chooser keeps them."""
 
     token: mx.array
     hidden: mx.array
     logprobs: Optional[tuple]
+    distributions: Optional[mx.array] = None
 
     def rows(self, keep: mx.array) -> "PlainPass":
         """The rows ``keep`` (indices), in that order."""
-        return PlainPass(self.token[keep], self.hidden[keep], None if self.logprobs is None else tuple(a[keep] for a in self.logprobs))
+        return PlainPass(self.token[keep], self.hidden[keep], None if self.logprobs is None else tuple(a[keep] for a in self.logprobs),
+                         None if self.distributions is None else self.distributions[keep])
 
 
 @dataclass
@@ -167,7 +170,7 @@ class Decoder:
         plan = self.speculator.plan_join(joining, [self.tracker.context[r] for r in joining], [self.choose.is_sampled(i) for i in coming.ids], cost,
                                          running=self.layout is not None, beams=self.beams)
         layout, cache, hidden, logits = coming.prefill.finish()
-        first, logprobs = self._choose(logits, self.tracker.history(rows=joining))
+        first, logprobs, distributions = self._choose(logits, self.tracker.history(rows=joining))
         first = first[:, 0]
         beams = self._search(hidden, first, plan.search_length) if plan.search else None
         hidden_rows = hidden.astype(mx.float16) if self.with_hidden else None
@@ -176,7 +179,8 @@ class Decoder:
         _, (first, beams) = self._settle(None, (np.array(first), host_beams(beams)))
         self._add_rows(joining, layout, cache, beams)
         at_root = np.zeros((len(joining), 1), np.int64)
-        outputs = self.tracker.emit([[t] for t in first.tolist()], rows=joining, logprobs=logprob_lists(logprobs, at_root))
+        outputs = self.tracker.emit([[t] for t in first.tolist()], rows=joining, logprobs=logprob_lists(logprobs, at_root),
+                                    distributions=distribution_rows(distributions, at_root))
         self._attach_hidden(outputs, hidden_rows, joining)
         return ready + self._finished(outputs)
 
@@ -267,7 +271,7 @@ class Decoder:
         tracker, profile = self.tracker, self.profile
         profile.lap("host")
         tree, hidden, logits = self._verify(plan.trees)
-        step, logprobs = self._accept(tree, hidden, logits)
+        step, logprobs, distributions = self._accept(tree, hidden, logits)
         beams = self._search(step.next_hidden, step.next_token, plan.search_length) if plan.search else None
         beams = self._synchronise([step.num_accepted, step.tokens, step.path, logprobs, [c.state_arrays() for c in self.cache]], beams)
         seconds, (num_accepted, path, tokens, self.beams) = self._settle(
@@ -282,7 +286,7 @@ class Decoder:
         self.layout.commit(num_accepted + 1)
         outputs = tracker.emit(
             [tokens[i, : n + 1].tolist() for i, n in enumerate(num_accepted)], num_accepted.tolist(), tree.num_nodes,
-            logprobs=logprob_lists(logprobs, path),
+            logprobs=logprob_lists(logprobs, path), distributions=distribution_rows(distributions, path, num_accepted + 1),
         )
         profile.lap("host")
         profile.count_step()
@@ -300,11 +304,12 @@ class Decoder:
 
     def _accept(self, tree, hidden: mx.array, logits: mx.array):
         """The choice at every node and each row's longest path that agrees
-        with it: (``accept``'s step, log-probability arrays or None), lazy."""
-        choices, logprobs = self._choose(logits, self.tracker.history(tree))
+        with it: (``accept``'s step, log-probability arrays or None, the
+        nodes' distributions or None), lazy."""
+        choices, logprobs, distributions = self._choose(logits, self.tracker.history(tree))
         step = accept(tree.beams, tree.unpack, choices, hidden)
         self.profile.lap("choice", step.tokens, step.path, step.num_accepted, logprobs)
-        return step, logprobs
+        return step, logprobs, distributions
 
     def _synchronise(self, results: list, beams: Optional[Beams]) -> Optional[Beams]:
         """The tree step's one host synchronisation: ``results`` (what was
@@ -333,14 +338,17 @@ class Decoder:
         return seconds, results if ranks.alike else ranks.settle(results)
 
     def _choose(self, logits: mx.array, history: TokenHistory):
-        """The choice at every node (B, N) and, when the chooser reports
+        """The choice at every node (B, N); when the chooser reports
         log-probabilities, its (chosen, top ids, top log-probabilities)
-        arrays (else None)."""
-        wanted = self.choose.logprobs_wanted
+        arrays (else None); when it keeps them, the distributions the
+        choices were made from (B, N, vocab) (else None)."""
+        wanted, choose = self.choose.logprobs_wanted, self.choose
         if wanted is None:
-            return self.choose(logits, history), None
-        choices, *logprobs = self.choose(logits, history, logprobs=wanted)
-        return choices, tuple(logprobs)
+            choices, logprobs = choose(logits, history), None
+        else:
+            choices, *logprobs = choose(logits, history, logprobs=wanted)
+            logprobs = tuple(logprobs)
+        return choices, logprobs, choose.last_distributions if choose.keeps_distributions else None
 
     def _plain_constants(self, batch: int, ahead: bool):
         """A plain pass's node depths (B, 1) (1 when its fed token is not yet
@@ -378,8 +386,8 @@ class Decoder:
             layout.commit(none + 1)
         tracker = self.tracker
         history = TokenHistory([tracker.ids[r] for r in tracker.rows], [tracker.context[r] for r in tracker.rows], tokens, mask, depths)
-        choices, logprobs = self._choose(logits, history)
-        return PlainPass(choices[:, 0], hidden[:, 0], logprobs)
+        choices, logprobs, distributions = self._choose(logits, history)
+        return PlainPass(choices[:, 0], hidden[:, 0], logprobs, distributions)
 
     def _plain_step(self, plan: Plan, roots: list, tic: float) -> list[StepOutput]:
         """A step with nothing drafted: the token after each row's root, from
@@ -403,7 +411,8 @@ class Decoder:
         batch = len(roots)
         self.costs.plain_step(batch, self.layout.start, tic, seconds, plan.search, consumed=consumed, ahead=plan.ahead)
         at_root = np.zeros((batch, 1), np.int64)
-        outputs = self.tracker.emit([[t] for t in token.tolist()], [0] * batch, [1] * batch, logprobs=logprob_lists(now.logprobs, at_root))
+        outputs = self.tracker.emit([[t] for t in token.tolist()], [0] * batch, [1] * batch, logprobs=logprob_lists(now.logprobs, at_root),
+                                    distributions=distribution_rows(now.distributions, at_root))
         self._attach_hidden(outputs, hidden_rows, self.tracker.rows)
         return outputs
 
@@ -417,10 +426,14 @@ class Decoder:
         hidden_rows = ahead.hidden.astype(mx.float16) if self.with_hidden else None
         at_root = np.zeros((len(self.tracker.rows), 1), np.int64)
         lists = logprob_lists(ahead.logprobs, at_root) or [None] * len(self.tracker.rows)
-        going_on = [(r, t, lp) for r, t, lp in zip(self.tracker.rows, np.array(ahead.token).tolist(), lists) if r not in self.leaving]
-        rows = [r for r, _, _ in going_on]
-        per_row = None if ahead.logprobs is None else [lp for _, _, lp in going_on]
-        outputs = self.tracker.emit([[t] for _, t, _ in going_on], [0] * len(rows), [1] * len(rows), rows=rows, logprobs=per_row)
+        distributions = distribution_rows(ahead.distributions, at_root) or [None] * len(self.tracker.rows)
+        going_on = [(r, t, lp, d) for r, t, lp, d in zip(self.tracker.rows, np.array(ahead.token).tolist(), lists, distributions)
+                    if r not in self.leaving]
+        rows = [r for r, _, _, _ in going_on]
+        per_row = None if ahead.logprobs is None else [lp for _, _, lp, _ in going_on]
+        per_row_distributions = None if ahead.distributions is None else [d for _, _, _, d in going_on]
+        outputs = self.tracker.emit([[t] for _, t, _, _ in going_on], [0] * len(rows), [1] * len(rows), rows=rows, logprobs=per_row,
+                                    distributions=per_row_distributions)
         self._attach_hidden(outputs, hidden_rows, self.tracker.rows)
         return self._finished(outputs)
 
@@ -473,6 +486,16 @@ def host_beams(beams) -> Optional[Beams]:
     return None if beams is None else Beams(*(np.array(a) for a in beams))
 
 
+def distribution_rows(distributions: Optional[mx.array], nodes: np.ndarray, counts: Optional[np.ndarray] = None) -> Optional[list]:
+    """Per row, the distributions (B, N, vocab) at its nodes (B, M), the
+    first ``counts[b]`` of them (default all): (M, vocab) each, lazy; None
+    when there are none."""
+    if distributions is None:
+        return None
+    counts = [nodes.shape[1]] * nodes.shape[0] if counts is None else counts.tolist()
+    return [distributions[b][mx.array(row[:n])] for b, (row, n) in enumerate(zip(nodes.tolist(), counts))]
+
+
 def logprob_lists(logprobs: Optional[tuple], nodes: np.ndarray) -> Optional[list]:
     """Per row, ``StepOutput.logprobs`` of the choices at its nodes (B, M)
     (an accepted path's, the root first), from evaluated (chosen, top ids,
@@ -490,7 +513,7 @@ def generate_steps(
     redrafter: ReDrafter,
     prompts: Sequence[Sequence[int]],
     *,
-    max_tokens: int = 256,
+    max_tokens: Union[int, Sequence[int]] = 256,
     draft: Optional[DraftSettings] = None,
     choose: Chooser = greedy,
     eos_token_ids: Sequence[int] = (),
@@ -502,7 +525,8 @@ def generate_steps(
 ) -> Iterator[list[StepOutput]]:
     """Generate for a batch of tokenized prompts; yields, after the prefill
     and after each verification step, one ``StepOutput`` per active row.
-    Rows that finish leave the batch. ``row_ids`` give each prompt's index in
+    Rows that finish leave the batch. ``max_tokens``: one limit for every
+    prompt, or one per prompt. ``row_ids`` give each prompt's index in
     the caller's whole input list (default 0, 1, ...): ``choose`` sees them,
     so a prompt's sampling seed does not depend on the batch it runs in.
 
@@ -518,10 +542,11 @@ def generate_steps(
     fixed ``CostCurve`` to size trees by (benchmarks; None: this machine's,
     measured and kept true by the engine).
     """
-    if max_tokens < 0:
-        raise UserError(f"max tokens must be at least 0, got {max_tokens}")
+    limits = [max_tokens] * len(prompts) if isinstance(max_tokens, int) else list(max_tokens)
+    if len(limits) != len(prompts) or min(limits, default=0) < 0:
+        raise UserError(f"max tokens must be at least 0, one for all prompts or one per prompt, got {max_tokens}")
     check_prompts(redrafter.base, prompts)
-    if max_tokens == 0:
+    if max(limits, default=0) == 0:
         return iter(())
     decoder = Decoder(
         redrafter, draft or DraftSettings(), choose, eos_token_ids,
@@ -530,7 +555,7 @@ def generate_steps(
     # This machine's cost curve, measured now if it must be (announced on
     # stderr): before the caller's clock starts, not inside the first step.
     decoder.costs.measure(len(prompts))
-    return _run(decoder, prompts, max_tokens, row_ids, prompt_caches)
+    return _run(decoder, prompts, limits, row_ids, prompt_caches)
 
 
 def _run(decoder: Decoder, prompts, max_tokens, row_ids, prompt_caches) -> Iterator[list[StepOutput]]:

@@ -45,10 +45,11 @@ class RowTracker:
         return TokenHistory(ids, context, tree.tokens, tree.mask, tree.depths)
 
     def emit(self, tokens_per_row: list, num_accepted: Optional[list] = None, num_nodes: Optional[list] = None, rows: Optional[list] = None,
-             logprobs: Optional[list] = None) -> list[StepOutput]:
+             logprobs: Optional[list] = None, distributions: Optional[list] = None) -> list[StepOutput]:
         """Record each row's new tokens (rows: default the active rows), cut
         at EOS and max_tokens; ``logprobs``, per row, one entry per token
-        (``StepOutput.logprobs``), cut alike."""
+        (``StepOutput.logprobs``), and ``distributions``, per row, an array
+        with one row per token (``StepOutput.distributions``), cut alike."""
         outputs = []
         for i, (row, tokens) in enumerate(zip(self.rows if rows is None else rows, tokens_per_row)):
             # An EOS counts only within the row's room: one drafted past
@@ -65,7 +66,9 @@ class RowTracker:
             accepted = None if num_accepted is None else num_accepted[i]
             nodes = None if num_nodes is None else num_nodes[i]
             row_logprobs = None if logprobs is None else logprobs[i][: len(tokens)]
-            outputs.append(StepOutput(row, tokens, accepted, finish, num_nodes=nodes, logprobs=row_logprobs, stop_token=stop_token))
+            row_distributions = None if distributions is None else distributions[i][: len(tokens)]
+            outputs.append(StepOutput(row, tokens, accepted, finish, num_nodes=nodes, logprobs=row_logprobs, stop_token=stop_token,
+                                      distributions=row_distributions))
         return outputs
 
     def keep_unfinished(self, outputs: list[StepOutput]) -> Optional[list[int]]:

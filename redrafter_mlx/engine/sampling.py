@@ -406,13 +406,20 @@ class AppSampler(Chooser):
     the sampler would draw token by token: it needs the draws, never the
     sampler's probabilities, which an opaque sampler does not give.
 
-    ``last_logprobs``: the log-probabilities (B, N, V) of the last call
-    (lazy), which mlx-lm reports with each token."""
+    distributions: keep each call's log-probabilities (B, N, V) in
+    ``last_distributions`` (lazy), which mlx-lm reports with each token.
+    starts: per prompt (its index in the input list, ``TokenHistory.rows``),
+    where the tokens the processors see begin: mlx-lm's processors see the
+    prompt given to that call and what it generated, not the conversation
+    a prompt cache held before it (default: from the first token)."""
 
-    def __init__(self, sampler: Optional[Callable] = None, logits_processors: Optional[Sequence[Callable]] = None):
+    def __init__(self, sampler: Optional[Callable] = None, logits_processors: Optional[Sequence[Callable]] = None,
+                 distributions: bool = False, starts: Optional[Sequence[int]] = None):
         self.sampler = sampler
         self.processors = list(logits_processors or ())
-        self.last_logprobs: Optional[mx.array] = None
+        self.starts = starts
+        self.keeps_distributions = distributions
+        self.last_distributions: Optional[mx.array] = None
 
     @property
     def reads_tokens(self) -> bool:
@@ -427,10 +434,11 @@ class AppSampler(Chooser):
             return logits
         rows = []
         for b, paths in enumerate(node_paths(history)):
+            start = 0 if self.starts is None else self.starts[history.rows[b]]
             nodes = []
             for j, path in enumerate(paths):
                 node = logits[b, j][None]
-                tokens = mx.array(path, mx.int32)
+                tokens = mx.array(path[start:], mx.int32)
                 for processor in self.processors:
                     node = processor(tokens, node)
                 nodes.append(node[0])
@@ -445,5 +453,6 @@ class AppSampler(Chooser):
             choice = mx.argmax(log_probs, axis=-1)
         else:
             choice = self.sampler(log_probs.reshape(batch * nodes, vocab)).reshape(batch, nodes)
-        self.last_logprobs = log_probs
+        if self.keeps_distributions:
+            self.last_distributions = log_probs
         return choice if logprobs is None else (choice, *top_logprobs(log_probs.astype(mx.float32), choice, logprobs))

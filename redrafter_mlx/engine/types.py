@@ -79,11 +79,17 @@ class Chooser:
     ``reads_tokens``, whether a choice reads the history's tokens (then a
     plain pass cannot be issued before the last token is known);
     ``logprobs_wanted``, how many alternatives' log-probabilities to report
-    (None: none). The defaults are a greedy choice's.
+    (None: none); ``keeps_distributions``, whether each call leaves the
+    whole log-probability vector of every node it chose at in
+    ``last_distributions`` (B, N, vocab), lazy, which the engine takes
+    right after the call (``StepOutput.distributions``). The defaults are a
+    greedy choice's.
     """
 
     reads_tokens: bool = False
     logprobs_wanted: Optional[int] = None
+    keeps_distributions: bool = False
+    last_distributions: Optional[mx.array] = None
 
     def is_sampled(self, row: int) -> bool:
         return False
@@ -111,6 +117,9 @@ class StepOutput:
         them (``SamplingSettings.logprobs``).
     stop_token: the end-of-sequence token that ended the row ("stop"),
         which ``tokens`` leaves out.
+    distributions: (len(tokens), vocab) the log-probabilities each token
+        was chosen from (lazy), when the chooser keeps them
+        (``Chooser.keeps_distributions``).
     """
 
     row: int
@@ -121,3 +130,4 @@ class StepOutput:
     num_nodes: Optional[int] = None
     logprobs: Optional[list] = None
     stop_token: Optional[int] = None
+    distributions: Optional[mx.array] = None

@@ -157,7 +157,7 @@ def stream_generate(
     sequence = continued(cache, ids)
     limit = token_limit(redrafter, max_tokens, sequence)
     cached = cache.reusable(sequence) if cache is not None else 0
-    choose = AppSampler(chosen.sampler, chosen.logits_processors)
+    choose = AppSampler(chosen.sampler, chosen.logits_processors, distributions=True, starts=[len(sequence) - len(ids)])
     progress = chosen.prompt_progress_callback or (lambda done, total: None)
     detokenizer = tokenizer.detokenizer
     detokenizer.reset()
@@ -173,7 +173,7 @@ def stream_generate(
             tic = time.perf_counter()
         else:
             steps, step_tokens = steps + 1, step_tokens + out.num_accepted + 1
-        distributions = getattr(out, "distributions", None)
+        distributions = out.distributions
         for i, token in enumerate(out.tokens):
             produced += 1
             generated.append(token)
@@ -269,7 +269,7 @@ def batch_generate(
     # New caches, so that the given ones stay as they are (they share arrays, never change them).
     working = [PromptCache(c.tokens, c.keys, c.values, c.model) if c is not None else PromptCache() if return_prompt_caches else None
                for c in caches]
-    choose = AppSampler(chosen.sampler, chosen.logits_processors)
+    choose = AppSampler(chosen.sampler, chosen.logits_processors, starts=[len(s) - len(p) for s, p in zip(sequences, prompts)])
     if return_logprobs:
         choose.logprobs_wanted = 0
     tokens, logprobs, ends = [[] for _ in prompts], [[] for _ in prompts], [[] for _ in prompts]
@@ -287,9 +287,10 @@ def batch_generate(
             else:
                 stats.generation_steps += 1
             for out in outputs:
-                tokens[out.row] += out.tokens
-                ends[out.row] = [out.stop_token] if out.finish_reason == "stop" else []
-                logprobs[out.row] += [chosen_logprob for chosen_logprob, _ in out.logprobs or ()]
+                i = rows[out.row]  # (out.row: the prompt's index in this chunk)
+                tokens[i] += out.tokens
+                ends[i] = [out.stop_token] if out.finish_reason == "stop" else []
+                logprobs[i] += [chosen_logprob for chosen_logprob, _ in out.logprobs or ()]
                 if out.finish_reason is not None and verbose:
                     print(f"[batch_generate] Finished processing {sum(1 for t in tokens if t)}/{len(prompts)} ...", end="\r")
     stats.wall_time = time.perf_counter() - start

@@ -7,8 +7,7 @@ import pytest
 from mlx.utils import tree_flatten
 from mlx_lm.models import llama
 
-from redrafter_mlx import generate
-from redrafter_mlx import load
+from redrafter_mlx import DraftSettings, generate, load
 from redrafter_mlx.drafting.drafter import Drafter, DrafterArgs, save_drafter
 from redrafter_mlx.errors import UserError
 from redrafter_mlx.loading.loader import load_base_model
@@ -34,7 +33,7 @@ def test_folder_model_loads_and_generates(model_folder, tmp_path):
     save_drafter(Drafter(DrafterArgs(vocab_size=49152, hidden_size=64, exit_dim=32)), str(tmp_path / "d"))
     redrafter, tokenizer = load(str(model_folder), drafter=str(tmp_path / "d"))
     assert redrafter.base.hidden_size == 64 and redrafter.base.max_context == 2048
-    text = generate(redrafter, tokenizer, "Hello", max_tokens=8, beam_width=2, beam_length=3)
+    text = generate(redrafter, tokenizer, "Hello", max_tokens=8, draft=DraftSettings(beam_width=2, beam_length=3))
     assert isinstance(text, str)
 
 
@@ -49,7 +48,7 @@ def test_a_loaded_model_generates_on_another_thread(model_folder, tmp_path):
     save_drafter(drafter, str(tmp_path / "d16"))
     redrafter, tokenizer = load(str(model_folder), drafter=str(tmp_path / "d16"))
     results = []
-    worker = threading.Thread(target=lambda: results.append(generate(redrafter, tokenizer, "Hello", max_tokens=8, max_nodes=4)))
+    worker = threading.Thread(target=lambda: results.append(generate(redrafter, tokenizer, "Hello", max_tokens=8, draft=DraftSettings(max_nodes=4))))
     worker.start()
     worker.join()
     assert len(results) == 1 and isinstance(results[0], str)
@@ -126,7 +125,7 @@ def test_a_drafter_given_by_hub_id_loads_from_the_hugging_face_cache(model_folde
     expected = dict(tree_flatten(load_drafter(saved).parameters()))
     for name, value in tree_flatten(redrafter.drafter.parameters()):
         assert mx.array_equal(value, expected[name]), name
-    assert isinstance(generate(redrafter, tokenizer, "Hello", max_tokens=4, max_nodes=4), str)
+    assert isinstance(generate(redrafter, tokenizer, "Hello", max_tokens=4, draft=DraftSettings(max_nodes=4)), str)
 
     # A local folder of the same name wins over the Hub.
     monkeypatch.chdir(tmp_path)
