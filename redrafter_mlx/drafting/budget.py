@@ -41,7 +41,7 @@ class AcceptanceStats:
         self.accepted = defaultdict(float)
         self.predicted = defaultdict(float)
         # The depths the trees of the last full-length searches kept RNN
-        # nodes at (``speculator.Speculator.search_length``), carried from
+        # nodes at (``policy.SearchDepth.next_length``), carried from
         # run to run as the statistics are.
         self.kept_depths: deque = deque(maxlen=KEPT_SEARCHES)
 
