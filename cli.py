@@ -92,61 +92,166 @@ def given(**options) -> dict:
 # -- shared options -----------------------------------------------------------
 
 MODEL, DRAFTER, SAMPLING, SPLIT_PANEL, ANSWERS_PANEL, LOG_PANEL = (
-    "model", "drafter and drafting", "sampling", "several machines (started by mlx.launch)", "earlier answers", "prompt log")
+    "model",
+    "drafter and drafting",
+    "sampling",
+    "several machines (started by mlx.launch)",
+    "earlier answers",
+    "prompt log",
+)
 
-Model = Annotated[Optional[str], typer.Option(
-    "--model", "-m", help="mlx-lm / Hugging Face folder, Hub id, or .gguf file",
-    show_default="the embedded SmolLM2-135M-Instruct", rich_help_panel=MODEL)]
-Dtype = Annotated[Optional[Literal["float32", "float16", "bfloat16", "native"]], typer.Option(
-    help="compute dtype of the base model; native keeps the file's", show_default="float32 on the CPU, native on Metal",
-    rich_help_panel=MODEL)]
+Model = Annotated[
+    Optional[str],
+    typer.Option(
+        "--model",
+        "-m",
+        help="mlx-lm / Hugging Face folder, Hub id, or .gguf file",
+        show_default="the embedded SmolLM2-135M-Instruct",
+        rich_help_panel=MODEL,
+    ),
+]
+Dtype = Annotated[
+    Optional[Literal["float32", "float16", "bfloat16", "native"]],
+    typer.Option(
+        help="compute dtype of the base model; native keeps the file's",
+        show_default="float32 on the CPU, native on Metal",
+        rich_help_panel=MODEL,
+    ),
+]
 
-Drafter = Annotated[Optional[str], typer.Option(
-    "--drafter", "-d", help="drafter folder or Hub id, or none for context lookup only",
-    show_default="the drafter shipped for this model, else none", rich_help_panel=DRAFTER)]
-BeamWidth = Annotated[Optional[int], typer.Option(
-    parser=auto_int, metavar="N|auto", help="beams the RNN drafts per step", show_default="auto: 4", rich_help_panel=DRAFTER)]
-BeamLength = Annotated[Optional[int], typer.Option(
-    parser=auto_int, metavar="N|auto", help="tokens per beam, counting the last verified one", show_default="auto: 5",
-    rich_help_panel=DRAFTER)]
-MaxNodes = Annotated[Optional[int], typer.Option(
-    parser=auto_int, metavar="N|auto",
-    help="drafted nodes verified per step; auto sizes each step's tree by this machine's cost; 0 is plain decoding",
-    show_default="auto", rich_help_panel=DRAFTER)]
-NoLookup = Annotated[bool, typer.Option(
-    "--no-lookup", help="do not draft by context lookup", show_default="lookup on", rich_help_panel=DRAFTER)]
-LookupLength = Annotated[Optional[int], typer.Option(
-    metavar="N", help="tokens a context-lookup continuation drafts", show_default="16", rich_help_panel=DRAFTER)]
-LookupMaxNgram = Annotated[Optional[int], typer.Option(
-    metavar="N", help="longest context suffix context lookup matches", show_default="3", rich_help_panel=DRAFTER)]
-DatastoreBeams = Annotated[Optional[int], typer.Option(
-    metavar="N", help="continuations per step from the drafter's datastore; 0 turns it off", show_default="2",
-    rich_help_panel=DRAFTER)]
+Drafter = Annotated[
+    Optional[str],
+    typer.Option(
+        "--drafter",
+        "-d",
+        help="drafter folder or Hub id, or none for context lookup only",
+        show_default="the drafter shipped for this model, else none",
+        rich_help_panel=DRAFTER,
+    ),
+]
+BeamWidth = Annotated[
+    Optional[int],
+    typer.Option(
+        parser=auto_int,
+        metavar="N|auto",
+        help="beams the RNN drafts per step",
+        show_default="auto: 4",
+        rich_help_panel=DRAFTER,
+    ),
+]
+BeamLength = Annotated[
+    Optional[int],
+    typer.Option(
+        parser=auto_int,
+        metavar="N|auto",
+        help="tokens per beam, counting the last verified one",
+        show_default="auto: 5",
+        rich_help_panel=DRAFTER,
+    ),
+]
+MaxNodes = Annotated[
+    Optional[int],
+    typer.Option(
+        parser=auto_int,
+        metavar="N|auto",
+        help="drafted nodes verified per step; auto sizes each step's tree by this machine's cost; 0 is plain decoding",
+        show_default="auto",
+        rich_help_panel=DRAFTER,
+    ),
+]
+NoLookup = Annotated[
+    bool,
+    typer.Option(
+        "--no-lookup", help="do not draft by context lookup", show_default="lookup on", rich_help_panel=DRAFTER
+    ),
+]
+LookupLength = Annotated[
+    Optional[int],
+    typer.Option(
+        metavar="N", help="tokens a context-lookup continuation drafts", show_default="16", rich_help_panel=DRAFTER
+    ),
+]
+LookupMaxNgram = Annotated[
+    Optional[int],
+    typer.Option(
+        metavar="N", help="longest context suffix context lookup matches", show_default="3", rich_help_panel=DRAFTER
+    ),
+]
+DatastoreBeams = Annotated[
+    Optional[int],
+    typer.Option(
+        metavar="N",
+        help="continuations per step from the drafter's datastore; 0 turns it off",
+        show_default="2",
+        rich_help_panel=DRAFTER,
+    ),
+]
 
-Temp = Annotated[Optional[float], typer.Option(
-    help="sampling temperature; 0 is greedy", show_default="0, greedy; chat: the model's recommendation, else 0.7",
-    rich_help_panel=SAMPLING)]
-TopP = Annotated[Optional[float], typer.Option(
-    help="keep the most likely tokens up to this probability mass", show_default="1, all; chat: 0.9", rich_help_panel=SAMPLING)]
-TopK = Annotated[Optional[int], typer.Option(
-    help="keep the k most likely tokens", show_default="0, all", rich_help_panel=SAMPLING)]
-MinP = Annotated[Optional[float], typer.Option(
-    help="drop tokens less likely than this times the most likely one", show_default="0, none", rich_help_panel=SAMPLING)]
-RepetitionPenalty = Annotated[Optional[float], typer.Option(
-    help="penalty above 1 for tokens among the last 20", show_default="off", rich_help_panel=SAMPLING)]
-Seed = Annotated[Optional[int], typer.Option(
-    help="random seed; prompt i of a list samples with its own seed derived from (seed, i)", show_default="0",
-    rich_help_panel=SAMPLING)]
+Temp = Annotated[
+    Optional[float],
+    typer.Option(
+        help="sampling temperature; 0 is greedy",
+        show_default="0, greedy; chat: the model's recommendation, else 0.7",
+        rich_help_panel=SAMPLING,
+    ),
+]
+TopP = Annotated[
+    Optional[float],
+    typer.Option(
+        help="keep the most likely tokens up to this probability mass",
+        show_default="1, all; chat: 0.9",
+        rich_help_panel=SAMPLING,
+    ),
+]
+TopK = Annotated[
+    Optional[int], typer.Option(help="keep the k most likely tokens", show_default="0, all", rich_help_panel=SAMPLING)
+]
+MinP = Annotated[
+    Optional[float],
+    typer.Option(
+        help="drop tokens less likely than this times the most likely one",
+        show_default="0, none",
+        rich_help_panel=SAMPLING,
+    ),
+]
+RepetitionPenalty = Annotated[
+    Optional[float],
+    typer.Option(help="penalty above 1 for tokens among the last 20", show_default="off", rich_help_panel=SAMPLING),
+]
+Seed = Annotated[
+    Optional[int],
+    typer.Option(
+        help="random seed; prompt i of a list samples with its own seed derived from (seed, i)",
+        show_default="0",
+        rich_help_panel=SAMPLING,
+    ),
+]
 
-Split = Annotated[Literal["pipeline", "tensor"], typer.Option(
-    help="under mlx.launch: pipeline stages of layers, or tensor parallel where the heads divide (see the README)",
-    rich_help_panel=SPLIT_PANEL)]
-AnswerStoreMb = Annotated[float, typer.Option(
-    metavar="MB", min=0, help="memory for the answers given so far, which later answers also draft from; 0 turns it off",
-    rich_help_panel=ANSWERS_PANEL)]
-LogPrompts = Annotated[Optional[str], typer.Option(
-    metavar="FILE", help="append each conversation answered to this prompts file, which distill --prompts reads",
-    show_default="off", rich_help_panel=LOG_PANEL)]
+Split = Annotated[
+    Literal["pipeline", "tensor"],
+    typer.Option(
+        help="under mlx.launch: pipeline stages of layers, or tensor parallel where the heads divide (see the README)",
+        rich_help_panel=SPLIT_PANEL,
+    ),
+]
+AnswerStoreMb = Annotated[
+    float,
+    typer.Option(
+        metavar="MB",
+        min=0,
+        help="memory for the answers given so far, which later answers also draft from; 0 turns it off",
+        rich_help_panel=ANSWERS_PANEL,
+    ),
+]
+LogPrompts = Annotated[
+    Optional[str],
+    typer.Option(
+        metavar="FILE",
+        help="append each conversation answered to this prompts file, which distill --prompts reads",
+        show_default="off",
+        rich_help_panel=LOG_PANEL,
+    ),
+]
 
 
 # Options of one command each, alike in several: each declared once, by a
@@ -161,8 +266,9 @@ def batch_size_option(meaning: str, low: Optional[int] = 1, show_default: Union[
     """Prompts decoded together (generate, bench, distill); training positions
     per step in train, which leaves it unset (None) for its own default and
     checks it itself (``low`` None)."""
-    return Annotated[Optional[int], typer.Option(
-        "--batch-size", "-b", min=low, help=meaning, show_default=show_default)]
+    return Annotated[
+        Optional[int], typer.Option("--batch-size", "-b", min=low, help=meaning, show_default=show_default)
+    ]
 
 
 def prompts_option(meaning: str, show_default: Union[bool, str] = True):
@@ -178,8 +284,12 @@ def data_option(meaning: str):
 
 
 def workers_option(what: str):
-    return Annotated[int, typer.Option(
-        "--workers", min=1, help=f"{what} processes, each with one BLAS thread: 2 on a 2-core CPU, 1 on a GPU")]
+    return Annotated[
+        int,
+        typer.Option(
+            "--workers", min=1, help=f"{what} processes, each with one BLAS thread: 2 on a 2-core CPU, 1 on a GPU"
+        ),
+    ]
 
 
 # -- option groups ------------------------------------------------------------
@@ -231,10 +341,17 @@ class DraftOptions(OptionGroup):
 
         if self.drafter == "none" and self.beam_width is not None:
             raise UserError("--beam-width sets the RNN drafter's search; it does not go with --drafter none")
-        return DraftSettings(**given(
-            beam_width=self.beam_width, beam_length=self.beam_length, max_nodes=self.max_nodes,
-            lookup=False if self.no_lookup else None, lookup_length=self.lookup_length,
-            lookup_max_ngram=self.lookup_max_ngram, datastore_beams=self.datastore_beams))
+        return DraftSettings(
+            **given(
+                beam_width=self.beam_width,
+                beam_length=self.beam_length,
+                max_nodes=self.max_nodes,
+                lookup=False if self.no_lookup else None,
+                lookup_length=self.lookup_length,
+                lookup_max_ngram=self.lookup_max_ngram,
+                datastore_beams=self.datastore_beams,
+            )
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -300,8 +417,10 @@ def option_groups(command):
             continue
         groups[parameter.name] = (group, names)
         fields = {field.name: field for field in dataclasses.fields(group)}
-        parameters += [inspect.Parameter(name, parameter.kind, default=fields[name].default,
-                                         annotation=fields[name].type) for name in names]
+        parameters += [
+            inspect.Parameter(name, parameter.kind, default=fields[name].default, annotation=fields[name].type)
+            for name in names
+        ]
 
     @functools.wraps(command)
     def run(**options):
@@ -324,13 +443,20 @@ def version_callback(value: bool) -> None:
 
 
 app = typer.Typer(
-    name=PROG, help="ReDrafter speculative decoding for mlx-lm models: the same answers as plain decoding, in fewer passes.",
-    no_args_is_help=True, pretty_exceptions_enable=False, context_settings={"help_option_names": ["--help", "-h"]},
+    name=PROG,
+    help="ReDrafter speculative decoding for mlx-lm models: the same answers as plain decoding, in fewer passes.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["--help", "-h"]},
 )
 
 
 @app.callback()
-def top(version: Annotated[bool, typer.Option("--version", callback=version_callback, is_eager=True, help="print the version and exit")] = False):
+def top(
+    version: Annotated[
+        bool, typer.Option("--version", callback=version_callback, is_eager=True, help="print the version and exit")
+    ] = False,
+):
     """ReDrafter speculative decoding for mlx-lm models: the same answers as
     plain decoding, in fewer passes of the model."""
 
@@ -388,15 +514,28 @@ def dim(text: str, stream=sys.stderr) -> str:
 @app.command()
 @option_groups
 def generate(
-    prompt: Annotated[str, typer.Option("--prompt", "-p", help="message for the model; - reads it from standard input")] = "hello",
+    prompt: Annotated[
+        str, typer.Option("--prompt", "-p", help="message for the model; - reads it from standard input")
+    ] = "hello",
     prompts: prompts_option(
-        'JSONL prompts file: a "prompt", "messages" or "tokens" per line (see "Prompts files")') = None,
+        'JSONL prompts file: a "prompt", "messages" or "tokens" per line (see "Prompts files")'
+    ) = None,
     batch_size: batch_size_option("prompts decoded together") = 1,
     max_tokens: max_tokens_option("most new tokens") = 256,
-    ignore_chat_template: Annotated[bool, typer.Option("--ignore-chat-template", help="encode the prompt as it is, without the chat template")] = False,
-    json_out: Annotated[bool, typer.Option("--json", help="print one JSON object: text, tokens, prompt_tokens, generation_tokens, steps, tokens_per_step, nodes_per_step, generation_tps, finish_reason, ranks")] = False,
-    base: ModelOptions = ModelOptions(), drafting: DraftOptions = DraftOptions(),
-    sampling: SamplingOptions = SamplingOptions(), split: Split = "pipeline",
+    ignore_chat_template: Annotated[
+        bool, typer.Option("--ignore-chat-template", help="encode the prompt as it is, without the chat template")
+    ] = False,
+    json_out: Annotated[
+        bool,
+        typer.Option(
+            "--json",
+            help="print one JSON object: text, tokens, prompt_tokens, generation_tokens, steps, tokens_per_step, nodes_per_step, generation_tps, finish_reason, ranks",
+        ),
+    ] = False,
+    base: ModelOptions = ModelOptions(),
+    drafting: DraftOptions = DraftOptions(),
+    sampling: SamplingOptions = SamplingOptions(),
+    split: Split = "pipeline",
 ):
     """One prompt, streamed; or every prompt of a file, batched, one JSON line per prompt."""
     from redrafter_mlx.engine.sampling import make_chooser
@@ -421,7 +560,21 @@ def print_batch(redrafter, tokenizer, texts, max_tokens, batch_size, options) ->
 
     for result in batch_steps(redrafter, tokenizer, texts, max_tokens, batch_size=batch_size, **options):
         tps = len(result.tokens) / result.seconds if result.seconds else 0.0
-        print(json.dumps(summary(result.text, result.tokens, result.prompt_tokens, result.steps, result.step_tokens, result.step_nodes, tps, result.finish_reason)), flush=True)
+        print(
+            json.dumps(
+                summary(
+                    result.text,
+                    result.tokens,
+                    result.prompt_tokens,
+                    result.steps,
+                    result.step_tokens,
+                    result.step_nodes,
+                    tps,
+                    result.finish_reason,
+                )
+            ),
+            flush=True,
+        )
 
 
 def stream_one(redrafter, tokenizer, prompt, max_tokens, json_out, num_ranks, options) -> None:
@@ -434,18 +587,27 @@ def stream_one(redrafter, tokenizer, prompt, max_tokens, json_out, num_ranks, op
         tokens += last.tokens
         if not json_out:
             print(last.text, end="", flush=True)
-    steps, step_tokens, step_nodes, tps = (last.steps, last.step_tokens, last.step_nodes, last.generation_tps) if last else (0, 0, 0, 0.0)
+    steps, step_tokens, step_nodes, tps = (
+        (last.steps, last.step_tokens, last.step_nodes, last.generation_tps) if last else (0, 0, 0, 0.0)
+    )
     finish = last.finish_reason if last else "length"
     if json_out:
         out = summary(text, tokens, len(prompt_ids), steps, step_tokens, step_nodes, tps, finish)
-        out.update(prompt_tps=last.prompt_tps if last else 0.0, peak_memory_gb=last.peak_memory if last else 0.0, ranks=num_ranks)
+        out.update(
+            prompt_tps=last.prompt_tps if last else 0.0,
+            peak_memory_gb=last.peak_memory if last else 0.0,
+            ranks=num_ranks,
+        )
         print(json.dumps(out))
         return
     print()
     if finish == "length":
         print(dim(f"[stopped at --max-tokens {max_tokens}]"), file=sys.stderr)
     if steps:
-        print(f"[{len(tokens)} tokens, {tps:.1f} tokens/s, {step_tokens / steps:.2f} tokens/step, prompt {len(prompt_ids)} tokens]", file=sys.stderr)
+        print(
+            f"[{len(tokens)} tokens, {tps:.1f} tokens/s, {step_tokens / steps:.2f} tokens/step, prompt {len(prompt_ids)} tokens]",
+            file=sys.stderr,
+        )
 
 
 def summary(text, tokens, prompt_tokens, steps, step_tokens, step_nodes, generation_tps, finish_reason) -> dict:
@@ -466,9 +628,14 @@ def summary(text, tokens, prompt_tokens, steps, step_tokens, step_nodes, generat
 @option_groups
 def chat(
     max_tokens: max_tokens_option("most new tokens per answer") = 512,
-    system_prompt: Annotated[Optional[str], typer.Option(help="system message at the start of the conversation")] = None,
-    base: ModelOptions = ModelOptions(), drafting: DraftOptions = DraftOptions(),
-    sampling: SamplingOptions = SamplingOptions(), log_prompts: LogPrompts = None, answer_store_mb: AnswerStoreMb = 64,
+    system_prompt: Annotated[
+        Optional[str], typer.Option(help="system message at the start of the conversation")
+    ] = None,
+    base: ModelOptions = ModelOptions(),
+    drafting: DraftOptions = DraftOptions(),
+    sampling: SamplingOptions = SamplingOptions(),
+    log_prompts: LogPrompts = None,
+    answer_store_mb: AnswerStoreMb = 64,
 ):
     """A multi-turn chat in the terminal; answers stream as they are accepted.
 
@@ -494,8 +661,16 @@ def chat(
     if not tokenizer.has_chat_template:
         raise UserError("this model's tokenizer has no chat template; use `redrafter-mlx generate`")
     chosen = chat_sampling(redrafter.generation_config, **dataclasses.asdict(sampling))
-    chat_loop(redrafter, tokenizer, max_tokens, system_prompt, prompt_log=log, choose=make_chooser(chosen),
-              dim=lambda text: dim(text, sys.stdout), **vars(draft))
+    chat_loop(
+        redrafter,
+        tokenizer,
+        max_tokens,
+        system_prompt,
+        prompt_log=log,
+        choose=make_chooser(chosen),
+        dim=lambda text: dim(text, sys.stdout),
+        **vars(draft),
+    )
 
 
 @app.command()
@@ -505,20 +680,81 @@ def serve(
     port: Annotated[int, typer.Option(min=1, max=65535, help="port")] = 8080,
     max_batch: Annotated[int, typer.Option(min=1, help="requests decoded together; more wait their turn")] = 8,
     max_tokens: max_tokens_option("new tokens for a request that names no max_tokens") = 512,
-    max_output_tokens: Annotated[Optional[int], typer.Option(min=1, help="the most new tokens any answer gets; a request asking for more is cut to it (agents ask for tens of thousands)", show_default="the model's context")] = None,
-    prompt_cache_mb: Annotated[float, typer.Option(min=0, help="memory for finished requests' keys and values, reused by the next turn; 0 turns it off")] = 1024,
-    max_body_bytes: Annotated[int, typer.Option(min=1, help="largest request body accepted (413 above)", show_default="4 MiB")] = 4 << 20,
-    read_timeout: Annotated[float, typer.Option(parser=positive_seconds, metavar="SECONDS", help="seconds a client has to send a request's headers (from the connection's opening or the previous answer), then as long for its body; a late body gets 408, late headers a closed connection")] = 30.0,
-    max_header_bytes: Annotated[int, typer.Option(min=1024, help="largest request line and headers accepted (431 above)", show_default="64 KiB")] = 64 << 10,
-    max_connections: Annotated[int, typer.Option(min=1, help="open connections, idle ones included; a request on one beyond gets 503")] = 2048,
-    api_key: Annotated[Optional[str], typer.Option(help="the key every route but /health and / then needs (Authorization: Bearer KEY or x-api-key: KEY)", show_default=f"none, or ${API_KEY_ENV}")] = None,
-    max_queue: Annotated[Optional[int], typer.Option(min=0, help="requests that may wait for a place in the batch; more get 429", show_default="no limit")] = None,
-    prefill_share: Annotated[float, typer.Option(min=0.01, max=1.0, help="the most of the engine's time a long prompt's prefill takes while other requests decode: lower favours those, higher the long prompt's first token")] = 0.2,
-    keep_alive: Annotated[float, typer.Option(parser=positive_seconds, metavar="SECONDS", help="seconds between keep-alive comments of a streamed answer that waits or prefills")] = 5.0,
-    shutdown_timeout: Annotated[float, typer.Option(min=0, help="on SIGTERM, seconds running requests may finish")] = 30.0,
-    access_log: Annotated[bool, typer.Option("--access-log/--no-access-log", help="write a line per request on stderr (client, method, path, status, seconds)")] = True,
-    base: ModelOptions = ModelOptions(), drafting: DraftOptions = DraftOptions(),
-    log_prompts: LogPrompts = None, answer_store_mb: AnswerStoreMb = 64, split: Split = "pipeline",
+    max_output_tokens: Annotated[
+        Optional[int],
+        typer.Option(
+            min=1,
+            help="the most new tokens any answer gets; a request asking for more is cut to it (agents ask for tens of thousands)",
+            show_default="the model's context",
+        ),
+    ] = None,
+    prompt_cache_mb: Annotated[
+        float,
+        typer.Option(
+            min=0, help="memory for finished requests' keys and values, reused by the next turn; 0 turns it off"
+        ),
+    ] = 1024,
+    max_body_bytes: Annotated[
+        int, typer.Option(min=1, help="largest request body accepted (413 above)", show_default="4 MiB")
+    ] = 4 << 20,
+    read_timeout: Annotated[
+        float,
+        typer.Option(
+            parser=positive_seconds,
+            metavar="SECONDS",
+            help="seconds a client has to send a request's headers (from the connection's opening or the previous answer), then as long for its body; a late body gets 408, late headers a closed connection",
+        ),
+    ] = 30.0,
+    max_header_bytes: Annotated[
+        int, typer.Option(min=1024, help="largest request line and headers accepted (431 above)", show_default="64 KiB")
+    ] = 64 << 10,
+    max_connections: Annotated[
+        int, typer.Option(min=1, help="open connections, idle ones included; a request on one beyond gets 503")
+    ] = 2048,
+    api_key: Annotated[
+        Optional[str],
+        typer.Option(
+            help="the key every route but /health and / then needs (Authorization: Bearer KEY or x-api-key: KEY)",
+            show_default=f"none, or ${API_KEY_ENV}",
+        ),
+    ] = None,
+    max_queue: Annotated[
+        Optional[int],
+        typer.Option(
+            min=0, help="requests that may wait for a place in the batch; more get 429", show_default="no limit"
+        ),
+    ] = None,
+    prefill_share: Annotated[
+        float,
+        typer.Option(
+            min=0.01,
+            max=1.0,
+            help="the most of the engine's time a long prompt's prefill takes while other requests decode: lower favours those, higher the long prompt's first token",
+        ),
+    ] = 0.2,
+    keep_alive: Annotated[
+        float,
+        typer.Option(
+            parser=positive_seconds,
+            metavar="SECONDS",
+            help="seconds between keep-alive comments of a streamed answer that waits or prefills",
+        ),
+    ] = 5.0,
+    shutdown_timeout: Annotated[
+        float, typer.Option(min=0, help="on SIGTERM, seconds running requests may finish")
+    ] = 30.0,
+    access_log: Annotated[
+        bool,
+        typer.Option(
+            "--access-log/--no-access-log",
+            help="write a line per request on stderr (client, method, path, status, seconds)",
+        ),
+    ] = True,
+    base: ModelOptions = ModelOptions(),
+    drafting: DraftOptions = DraftOptions(),
+    log_prompts: LogPrompts = None,
+    answer_store_mb: AnswerStoreMb = 64,
+    split: Split = "pipeline",
 ):
     """An HTTP server with the OpenAI and Anthropic APIs that batches concurrent requests (see "Serving")."""
     from redrafter_mlx.serving.chat_format import ChatRenderer
@@ -541,15 +777,33 @@ def serve(
             return
         sock = listen(host, port)
         if key is None and not is_loopback(host):
-            print(f"warning: serving beyond this machine ({host}) with no API key: anyone who can reach it may use it (--api-key)", file=sys.stderr)
+            print(
+                f"warning: serving beyond this machine ({host}) with no API key: anyone who can reach it may use it (--api-key)",
+                file=sys.stderr,
+            )
         redrafter, tokenizer = base.load(drafting.drafter, ranks)
         redrafter.answers = answer_store(answer_store_mb)
         name = os.path.basename(base.model.rstrip("/")) if base.model else "SmolLM2-135M-Instruct"
-        run_server(redrafter, tokenizer, draft, sock, name, max_batch=max_batch, max_tokens=max_tokens, max_output_tokens=max_output_tokens,
-                   cache_bytes=int(prompt_cache_mb * 2**20), prompt_log=log, api_key=key,
-                   limits=Limits(max_body_bytes, read_timeout, max_header_bytes, max_connections),
-                   max_queue=max_queue, shutdown_timeout=shutdown_timeout, keep_alive=keep_alive, access_log=access_log, prefill_share=prefill_share,
-                   announce=lambda line: print(line, file=sys.stderr, flush=True))
+        run_server(
+            redrafter,
+            tokenizer,
+            draft,
+            sock,
+            name,
+            max_batch=max_batch,
+            max_tokens=max_tokens,
+            max_output_tokens=max_output_tokens,
+            cache_bytes=int(prompt_cache_mb * 2**20),
+            prompt_log=log,
+            api_key=key,
+            limits=Limits(max_body_bytes, read_timeout, max_header_bytes, max_connections),
+            max_queue=max_queue,
+            shutdown_timeout=shutdown_timeout,
+            keep_alive=keep_alive,
+            access_log=access_log,
+            prefill_share=prefill_share,
+            announce=lambda line: print(line, file=sys.stderr, flush=True),
+        )
         ranks.end()
 
 
@@ -560,15 +814,38 @@ def bench(
     num_prompts: Annotated[int, typer.Option(min=1, help="use the first N prompts, after --every")] = 8,
     every: Annotated[int, typer.Option(min=1, help="use every K-th prompt of the file")] = 1,
     max_tokens: max_tokens_option("tokens generated per prompt") = 128,
-    configs: Annotated[str, typer.Option(help="comma-separated: auto (the defaults), lookup (no drafter), nodes:K (the defaults' drafts, K nodes verified every step), rnn:WxL (the RNN's beams, all verified: the paper's method), both:WxL (those and one lookup continuation)")] = "auto,lookup,rnn:4x5,both:4x5",
+    configs: Annotated[
+        str,
+        typer.Option(
+            help="comma-separated: auto (the defaults), lookup (no drafter), nodes:K (the defaults' drafts, K nodes verified every step), rnn:WxL (the RNN's beams, all verified: the paper's method), both:WxL (those and one lookup continuation)"
+        ),
+    ] = "auto,lookup,rnn:4x5,both:4x5",
     batch_size: batch_size_option("prompts decoded together; 1 compares against mlx-lm's own loop") = 1,
     repeats: Annotated[int, typer.Option(min=1, help="times each batch is measured; its speed-up is their median")] = 1,
     calibrate: Annotated[bool, typer.Option("--calibrate", help="measure the cost curve again first")] = False,
-    json_path: Annotated[Optional[str], typer.Option("--json", metavar="FILE", help="write results, machine and settings to this file", show_default="bench-DATE-TIME.json in the working folder")] = None,
-    plot: Annotated[Optional[str], typer.Option(metavar="PNG", help="draw the speed-ups to this PNG (needs matplotlib)")] = None,
-    profile: Annotated[bool, typer.Option("--profile", help="print the milliseconds a step spends drafting, packing, in the pass, choosing and accepting, committing and on the host")] = False,
-    base: ModelOptions = ModelOptions(), drafter: Drafter = None,
-    sampling: leaving_out(SamplingOptions, "repetition_penalty") = SamplingOptions(), split: Split = "pipeline",
+    json_path: Annotated[
+        Optional[str],
+        typer.Option(
+            "--json",
+            metavar="FILE",
+            help="write results, machine and settings to this file",
+            show_default="bench-DATE-TIME.json in the working folder",
+        ),
+    ] = None,
+    plot: Annotated[
+        Optional[str], typer.Option(metavar="PNG", help="draw the speed-ups to this PNG (needs matplotlib)")
+    ] = None,
+    profile: Annotated[
+        bool,
+        typer.Option(
+            "--profile",
+            help="print the milliseconds a step spends drafting, packing, in the pass, choosing and accepting, committing and on the host",
+        ),
+    ] = False,
+    base: ModelOptions = ModelOptions(),
+    drafter: Drafter = None,
+    sampling: leaving_out(SamplingOptions, "repetition_penalty") = SamplingOptions(),
+    split: Split = "pipeline",
 ):
     """Plain decoding against ReDrafter on the same prompts, alternating, in one process."""
     from redrafter_mlx.engine.sampling import make_chooser
@@ -588,11 +865,31 @@ def bench(
     redrafter, tokenizer = base.load(drafter, ranks)
     if redrafter.drafter is None and any(c.name.startswith(("rnn", "both")) for c in chosen):
         raise Usage("the rnn and both configurations need a drafter")
-    used = dict(model=base.model or "default", drafter=drafter or "default", prompts=prompts or "built-in", every=every,
-                max_tokens=max_tokens, temp=sampling.temp or 0.0, top_p=sampling.top_p or 1.0, seed=sampling.seed or 0,
-                batch_size=batch_size, repeats=repeats)
-    benchmark.bench_command(redrafter, tokenizer, texts, chosen, make_chooser(settings), used, ranks=ranks,
-                            refresh=calibrate, json_path=json_path, plot=plot, profile=profile)
+    used = dict(
+        model=base.model or "default",
+        drafter=drafter or "default",
+        prompts=prompts or "built-in",
+        every=every,
+        max_tokens=max_tokens,
+        temp=sampling.temp or 0.0,
+        top_p=sampling.top_p or 1.0,
+        seed=sampling.seed or 0,
+        batch_size=batch_size,
+        repeats=repeats,
+    )
+    benchmark.bench_command(
+        redrafter,
+        tokenizer,
+        texts,
+        chosen,
+        make_chooser(settings),
+        used,
+        ranks=ranks,
+        refresh=calibrate,
+        json_path=json_path,
+        plot=plot,
+        profile=profile,
+    )
     ranks.end()
 
 
@@ -601,14 +898,24 @@ def bench(
 def distill(
     output: output_option("data folder to create, or to resume"),
     prompts: prompts_option("JSONL prompts file (serve and chat --log-prompts write such files)") = None,
-    self_prompts: Annotated[Optional[int], typer.Option(min=1, metavar="N", help="instead of --prompts: the model writes N distinct user turns itself (kept in OUTPUT/self-prompts.jsonl), then answers them")] = None,
+    self_prompts: Annotated[
+        Optional[int],
+        typer.Option(
+            min=1,
+            metavar="N",
+            help="instead of --prompts: the model writes N distinct user turns itself (kept in OUTPUT/self-prompts.jsonl), then answers them",
+        ),
+    ] = None,
     max_tokens: max_tokens_option("most answer tokens per prompt") = 256,
     batch_size: batch_size_option("prompts generated together; finished ones are replaced by waiting ones") = 64,
     limit: Annotated[Optional[int], typer.Option(min=1, help="use only the first N prompts")] = None,
     samples: Annotated[int, typer.Option(min=1, help="sampled answers per prompt (needs --temp above 0)")] = 1,
     workers: workers_option("generating") = 1,
-    shard_size: Annotated[int, typer.Option(min=1, help="answers per shard file: the most a run stopped part-way loses")] = 256,
-    base: ModelOptions = ModelOptions(), sampling: SamplingOptions = SamplingOptions(),
+    shard_size: Annotated[
+        int, typer.Option(min=1, help="answers per shard file: the most a run stopped part-way loses")
+    ] = 256,
+    base: ModelOptions = ModelOptions(),
+    sampling: SamplingOptions = SamplingOptions(),
 ):
     """Distillation data: the base model's own answers to prompts, and the hidden states behind them."""
     from redrafter_mlx.training.distill import distill_command
@@ -617,11 +924,24 @@ def distill(
         if (prompts is None) == (self_prompts is None):
             raise UserError("give either --prompts FILE or --self-prompts N")
         settings = sampling.settings()
-    totals = distill_command(output, base.model, base.compute_dtype, settings, prompts=prompts,
-                             self_prompts=self_prompts, limit=limit, max_tokens=max_tokens, batch_size=batch_size,
-                             samples=samples, workers=workers, shard_size=shard_size)
-    print(f"{totals['new_responses']} responses, {totals['new_tokens']} new tokens in {totals['seconds']:.0f} s; "
-          f"{output} holds {totals['responses']} responses to {totals['prompts']} prompts")
+    totals = distill_command(
+        output,
+        base.model,
+        base.compute_dtype,
+        settings,
+        prompts=prompts,
+        self_prompts=self_prompts,
+        limit=limit,
+        max_tokens=max_tokens,
+        batch_size=batch_size,
+        samples=samples,
+        workers=workers,
+        shard_size=shard_size,
+    )
+    print(
+        f"{totals['new_responses']} responses, {totals['new_tokens']} new tokens in {totals['seconds']:.0f} s; "
+        f"{output} holds {totals['responses']} responses to {totals['prompts']} prompts"
+    )
 
 
 @app.command()
@@ -629,23 +949,59 @@ def distill(
 def train(
     data: data_option("distillation data folder"),
     output: output_option(
-        "drafter folder to write, holding only the drafter (uploadable as it is); training resumes from OUTPUT.train/"),
+        "drafter folder to write, holding only the drafter (uploadable as it is); training resumes from OUTPUT.train/"
+    ),
     steps: Annotated[Optional[int], typer.Option(help="optimizer steps", show_default="2000")] = None,
     batch_size: batch_size_option("training positions per step", low=None, show_default="1024") = None,
-    learning_rate: Annotated[Optional[float], typer.Option(help="peak AdamW learning rate (linear warm-up, then cosine decay)", show_default="1e-3")] = None,
+    learning_rate: Annotated[
+        Optional[float],
+        typer.Option(help="peak AdamW learning rate (linear warm-up, then cosine decay)", show_default="1e-3"),
+    ] = None,
     warmup: Annotated[Optional[int], typer.Option(help="warm-up steps", show_default="100")] = None,
     weight_decay: Annotated[Optional[float], typer.Option(help="AdamW weight decay", show_default="0")] = None,
-    grad_clip: Annotated[Optional[float], typer.Option(help="clip the gradient's global norm", show_default="1")] = None,
-    warm_start: Annotated[bool, typer.Option("--warm-start", help="start from the base model's own output head (needs --exit-dim equal to its hidden size)")] = False,
-    freeze_head_steps: Annotated[Optional[int], typer.Option(help="with --warm-start: keep that head fixed for the first N steps", show_default="0")] = None,
-    hidden_loss: Annotated[Optional[float], typer.Option(help="weight of the squared error between the drafter's features and the model's next hidden states", show_default="0")] = None,
-    depth: Annotated[Optional[int], typer.Option(help="tokens drafted per position while training", show_default="5")] = None,
-    exit_dim: Annotated[Optional[int], typer.Option(help="width of the drafter's residual blocks", show_default="1024")] = None,
-    num_draft_layers: Annotated[Optional[int], typer.Option(help="residual blocks before the vocabulary projection", show_default="1")] = None,
-    draft_vocab: Annotated[Optional[int], typer.Option(help="project onto only the N most frequent generated tokens", show_default="0, all")] = None,
-    drafter_dtype: Annotated[Literal["float32", "bfloat16"], typer.Option(help="drafter weights while training: float32 or bfloat16")] = "float32",
-    eval_every: Annotated[Optional[int], typer.Option(help="evaluate on held-out positions every N steps", show_default="250")] = None,
-    save_every: Annotated[Optional[int], typer.Option(help="write a resumable checkpoint every N steps", show_default="250")] = None,
+    grad_clip: Annotated[
+        Optional[float], typer.Option(help="clip the gradient's global norm", show_default="1")
+    ] = None,
+    warm_start: Annotated[
+        bool,
+        typer.Option(
+            "--warm-start",
+            help="start from the base model's own output head (needs --exit-dim equal to its hidden size)",
+        ),
+    ] = False,
+    freeze_head_steps: Annotated[
+        Optional[int],
+        typer.Option(help="with --warm-start: keep that head fixed for the first N steps", show_default="0"),
+    ] = None,
+    hidden_loss: Annotated[
+        Optional[float],
+        typer.Option(
+            help="weight of the squared error between the drafter's features and the model's next hidden states",
+            show_default="0",
+        ),
+    ] = None,
+    depth: Annotated[
+        Optional[int], typer.Option(help="tokens drafted per position while training", show_default="5")
+    ] = None,
+    exit_dim: Annotated[
+        Optional[int], typer.Option(help="width of the drafter's residual blocks", show_default="1024")
+    ] = None,
+    num_draft_layers: Annotated[
+        Optional[int], typer.Option(help="residual blocks before the vocabulary projection", show_default="1")
+    ] = None,
+    draft_vocab: Annotated[
+        Optional[int],
+        typer.Option(help="project onto only the N most frequent generated tokens", show_default="0, all"),
+    ] = None,
+    drafter_dtype: Annotated[
+        Literal["float32", "bfloat16"], typer.Option(help="drafter weights while training: float32 or bfloat16")
+    ] = "float32",
+    eval_every: Annotated[
+        Optional[int], typer.Option(help="evaluate on held-out positions every N steps", show_default="250")
+    ] = None,
+    save_every: Annotated[
+        Optional[int], typer.Option(help="write a resumable checkpoint every N steps", show_default="250")
+    ] = None,
     seed: Annotated[Optional[int], typer.Option(help="initialisation and data-order seed", show_default="0")] = None,
     base: ModelOptions = ModelOptions(),
 ):
@@ -653,32 +1009,69 @@ def train(
     from redrafter_mlx.training.train import TrainConfig, train_drafter
 
     with checking_options():
-        config = TrainConfig(dtype=drafter_dtype, **given(
-            steps=steps, batch_size=batch_size, learning_rate=learning_rate, warmup=warmup, weight_decay=weight_decay,
-            grad_clip=grad_clip, warm_start=warm_start, freeze_head_steps=freeze_head_steps, hidden_loss=hidden_loss,
-            depth=depth, exit_dim=exit_dim, num_draft_layers=num_draft_layers, draft_vocab=draft_vocab,
-            eval_every=eval_every, save_every=save_every, seed=seed))
-    result = train_drafter(data, output, config, base.model, base.compute_dtype,
-                           resumed=lambda step: print(f"resuming from step {step}"))
+        config = TrainConfig(
+            dtype=drafter_dtype,
+            **given(
+                steps=steps,
+                batch_size=batch_size,
+                learning_rate=learning_rate,
+                warmup=warmup,
+                weight_decay=weight_decay,
+                grad_clip=grad_clip,
+                warm_start=warm_start,
+                freeze_head_steps=freeze_head_steps,
+                hidden_loss=hidden_loss,
+                depth=depth,
+                exit_dim=exit_dim,
+                num_draft_layers=num_draft_layers,
+                draft_vocab=draft_vocab,
+                eval_every=eval_every,
+                save_every=save_every,
+                seed=seed,
+            ),
+        )
+    result = train_drafter(
+        data, output, config, base.model, base.compute_dtype, resumed=lambda step: print(f"resuming from step {step}")
+    )
     print(f"drafter written to {output}: {json.dumps(result)}")
 
 
 @app.command("make-drafter")
 @option_groups
 def make_drafter(
-    output: output_option("drafter folder to make, written once it is finished; its work goes beside it, "
-                          "in OUTPUT.make/, and a run resumes from it"),
+    output: output_option(
+        "drafter folder to make, written once it is finished; its work goes beside it, "
+        "in OUTPUT.make/, and a run resumes from it"
+    ),
     prompts: prompts_option(
-        "JSONL prompts file (a prompt log too); a chat model writes its own when none is given") = None,
-    hours: Annotated[float, typer.Option(min=0.01, help="time to spend on this machine, all stages together; sizes come from it")] = 6.0,
-    held_out: Annotated[Optional[int], typer.Option(min=1, help="prompts held out of training, to measure the drafter on", show_default="5 %, at most 48")] = None,
-    max_prompts: Annotated[Optional[int], typer.Option(min=2, help="prompts to distil, instead of what --hours allows")] = None,
+        "JSONL prompts file (a prompt log too); a chat model writes its own when none is given"
+    ) = None,
+    hours: Annotated[
+        float, typer.Option(min=0.01, help="time to spend on this machine, all stages together; sizes come from it")
+    ] = 6.0,
+    held_out: Annotated[
+        Optional[int],
+        typer.Option(
+            min=1, help="prompts held out of training, to measure the drafter on", show_default="5 %, at most 48"
+        ),
+    ] = None,
+    max_prompts: Annotated[
+        Optional[int], typer.Option(min=2, help="prompts to distil, instead of what --hours allows")
+    ] = None,
     steps: Annotated[Optional[int], typer.Option(min=1, help="training steps, instead of what --hours allows")] = None,
     max_tokens: max_tokens_option("most answer tokens per distilled prompt") = 256,
-    measure_prompts: Annotated[Optional[int], typer.Option(min=1, help="held-out prompts the final measurement runs on", show_default="12")] = None,
+    measure_prompts: Annotated[
+        Optional[int], typer.Option(min=1, help="held-out prompts the final measurement runs on", show_default="12")
+    ] = None,
     workers: workers_option("distilling") = 1,
     seed: Annotated[int, typer.Option(help="the split's, the sampling's and training's seed")] = 0,
-    plan: Annotated[Optional[str], typer.Option(metavar="FILE", help="a plan written by hand (its own prompts files, runs and settings) instead of one made for --hours")] = None,
+    plan: Annotated[
+        Optional[str],
+        typer.Option(
+            metavar="FILE",
+            help="a plan written by hand (its own prompts files, runs and settings) instead of one made for --hours",
+        ),
+    ] = None,
     base: ModelOptions = ModelOptions(),
 ):
     """Make a drafter for a model: prompts, distillation, training, datastore and the measured speed, in resumable stages.
@@ -690,12 +1083,26 @@ def make_drafter(
     from redrafter_mlx.training.make_drafter import make_drafter as make
 
     if plan is not None and any(v is not None for v in (prompts, held_out, max_prompts, steps, measure_prompts)):
-        raise Usage("--plan gives the prompts and sizes itself: it does not go with --prompts, --held-out, --max-prompts, --steps or --measure-prompts")
-    figures = make(output, base.model, prompts=prompts, hours=hours, held_out=held_out, max_prompts=max_prompts,
-                   steps=steps, max_tokens=max_tokens, measure_prompts=measure_prompts, seed=seed,
-                   dtype=base.compute_dtype, workers=workers, plan_file=plan,
-                   command=shlex.join([PROG, *sys.argv[1:]]) if sys.argv[1:2] == ["make-drafter"] else None,
-                   say=lambda line: print(line, file=sys.stderr, flush=True))
+        raise Usage(
+            "--plan gives the prompts and sizes itself: it does not go with --prompts, --held-out, --max-prompts, --steps or --measure-prompts"
+        )
+    figures = make(
+        output,
+        base.model,
+        prompts=prompts,
+        hours=hours,
+        held_out=held_out,
+        max_prompts=max_prompts,
+        steps=steps,
+        max_tokens=max_tokens,
+        measure_prompts=measure_prompts,
+        seed=seed,
+        dtype=base.compute_dtype,
+        workers=workers,
+        plan_file=plan,
+        command=shlex.join([PROG, *sys.argv[1:]]) if sys.argv[1:2] == ["make-drafter"] else None,
+        say=lambda line: print(line, file=sys.stderr, flush=True),
+    )
     print(f"drafter written to {output}: {json.dumps(figures)}")
 
 
@@ -717,18 +1124,33 @@ def datastore(
 
 @app.command()
 def convert(
-    torch_path: Annotated[str, typer.Option(help="a PyTorch trainer's output folder, or one .pt/.bin/.safetensors state dict")],
+    torch_path: Annotated[
+        str, typer.Option(help="a PyTorch trainer's output folder, or one .pt/.bin/.safetensors state dict")
+    ],
     mlx_path: Annotated[str, typer.Option(help="output folder (must not exist, or be empty)")] = "mlx_drafter",
     dtype: Annotated[Literal["float32", "float16", "bfloat16"], typer.Option(help="weight dtype")] = "float16",
     quantize: Annotated[bool, typer.Option("--quantize", "-q", help="quantize the vocabulary projection")] = False,
     q_bits: Annotated[Literal[4, 8], typer.Option(help="bits per weight with --quantize: 4 or 8")] = 4,
-    base_model: Annotated[Optional[str], typer.Option(help="check hidden size and vocabulary against this model")] = None,
+    base_model: Annotated[
+        Optional[str], typer.Option(help="check hidden size and vocabulary against this model")
+    ] = None,
     config: Annotated[Optional[str], typer.Option(help="drafter config.json for a bare state dict")] = None,
-    vocab_size: Annotated[Optional[int], typer.Option(help="config field for a bare state dict", show_default="inferred")] = None,
-    hidden_size: Annotated[Optional[int], typer.Option(help="config field for a bare state dict", show_default="inferred")] = None,
-    exit_dim: Annotated[Optional[int], typer.Option(help="config field for a bare state dict", show_default="inferred")] = None,
-    num_draft_layers: Annotated[Optional[int], typer.Option(help="config field for a bare state dict", show_default="inferred")] = None,
-    rnn: Annotated[Optional[bool], typer.Option("--rnn/--no-rnn", help="config field for a bare state dict", show_default="inferred")] = None,
+    vocab_size: Annotated[
+        Optional[int], typer.Option(help="config field for a bare state dict", show_default="inferred")
+    ] = None,
+    hidden_size: Annotated[
+        Optional[int], typer.Option(help="config field for a bare state dict", show_default="inferred")
+    ] = None,
+    exit_dim: Annotated[
+        Optional[int], typer.Option(help="config field for a bare state dict", show_default="inferred")
+    ] = None,
+    num_draft_layers: Annotated[
+        Optional[int], typer.Option(help="config field for a bare state dict", show_default="inferred")
+    ] = None,
+    rnn: Annotated[
+        Optional[bool],
+        typer.Option("--rnn/--no-rnn", help="config field for a bare state dict", show_default="inferred"),
+    ] = None,
 ):
     """Convert a drafter trained with PyTorch into the MLX drafter format."""
     from redrafter_mlx.convert import convert_checkpoint
@@ -740,15 +1162,21 @@ def convert(
                 fields = json.load(f)
         except (OSError, json.JSONDecodeError) as e:
             raise UserError(f"cannot read --config {config}: {e}") from None
-    given = dict(vocab_size=vocab_size, hidden_size=hidden_size, exit_dim=exit_dim, num_draft_layers=num_draft_layers, rnn=rnn)
+    given = dict(
+        vocab_size=vocab_size, hidden_size=hidden_size, exit_dim=exit_dim, num_draft_layers=num_draft_layers, rnn=rnn
+    )
     fields.update({k: v for k, v in given.items() if v is not None})
-    done = convert_checkpoint(torch_path, mlx_path, dtype=dtype, quantize_bits=int(q_bits) if quantize else None,
-                              base_model=base_model, config=fields or None)
+    done = convert_checkpoint(
+        torch_path,
+        mlx_path,
+        dtype=dtype,
+        quantize_bits=int(q_bits) if quantize else None,
+        base_model=base_model,
+        config=fields or None,
+    )
     for note in done["notes"]:
         print(note)
     print(f"wrote {done['tensors']} tensors ({done['bytes'] / 1e6:.1f} MB) to {done['path']}")
-
-
 
 
 # -- entry point ----------------------------------------------------------------

@@ -27,7 +27,14 @@ def measure(redrafter, prompts, width, length, max_tokens, batch_size, choose, e
     histogram = [0] * length
     for start in range(0, len(prompts), batch_size):
         batch = prompts[start : start + batch_size]
-        for outputs in generate_steps(redrafter, batch, max_tokens=max_tokens, draft=DraftSettings.rnn_only(width, length), choose=choose, eos_token_ids=eos):
+        for outputs in generate_steps(
+            redrafter,
+            batch,
+            max_tokens=max_tokens,
+            draft=DraftSettings.rnn_only(width, length),
+            choose=choose,
+            eos_token_ids=eos,
+        ):
             for out in outputs:
                 counts = per_prompt[start + out.row]
                 counts[2] += len(out.tokens)
@@ -73,7 +80,9 @@ def main():
             continue
         width, length = map(int, shape.split("x"))
         tic = time.perf_counter()
-        result = measure(redrafter, prompts, width, length, args.max_tokens, args.batch_size, choose, tokenizer.eos_token_ids)
+        result = measure(
+            redrafter, prompts, width, length, args.max_tokens, args.batch_size, choose, tokenizer.eos_token_ids
+        )
         result.update(prompts=len(prompts), seconds=round(time.perf_counter() - tic))
         results["shapes"][shape] = result
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -42,14 +42,76 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from server_throughput import OPENBLAS_PATHS, export, start, stop  # noqa: E402
 
-REFERENCE = ["os", "shutil", "pathlib", "subprocess", "json", "re", "glob", "fnmatch", "tempfile", "textwrap", "difflib", "logging",
-             "argparse", "collections", "itertools", "functools", "dataclasses", "typing", "string", "datetime"]
-FUNCTIONS = ["shutil.copy", "shutil.move", "shutil.rmtree", "os.listdir", "os.makedirs", "os.remove", "os.rename", "os.walk",
-             "glob.glob", "fnmatch.fnmatch", "json.dumps", "json.loads", "textwrap.wrap", "difflib.unified_diff", "re.sub", "re.findall",
-             "subprocess.run", "tempfile.mkdtemp", "shutil.which", "os.path.join", "os.path.exists", "os.getcwd"]
-SOURCES = ["argparse", "configparser", "tarfile", "zipfile", "logging", "inspect", "pydoc", "difflib", "smtplib", "mailbox"]
-ASKS = ["Read the next part.", "What does this part do?", "Go on.", "Note anything odd, then read on.", "Keep going.",
-        "Summarize so far, then continue.", "Read more.", "Anything to fix here?", "Continue.", "One more part."]
+REFERENCE = [
+    "os",
+    "shutil",
+    "pathlib",
+    "subprocess",
+    "json",
+    "re",
+    "glob",
+    "fnmatch",
+    "tempfile",
+    "textwrap",
+    "difflib",
+    "logging",
+    "argparse",
+    "collections",
+    "itertools",
+    "functools",
+    "dataclasses",
+    "typing",
+    "string",
+    "datetime",
+]
+FUNCTIONS = [
+    "shutil.copy",
+    "shutil.move",
+    "shutil.rmtree",
+    "os.listdir",
+    "os.makedirs",
+    "os.remove",
+    "os.rename",
+    "os.walk",
+    "glob.glob",
+    "fnmatch.fnmatch",
+    "json.dumps",
+    "json.loads",
+    "textwrap.wrap",
+    "difflib.unified_diff",
+    "re.sub",
+    "re.findall",
+    "subprocess.run",
+    "tempfile.mkdtemp",
+    "shutil.which",
+    "os.path.join",
+    "os.path.exists",
+    "os.getcwd",
+]
+SOURCES = [
+    "argparse",
+    "configparser",
+    "tarfile",
+    "zipfile",
+    "logging",
+    "inspect",
+    "pydoc",
+    "difflib",
+    "smtplib",
+    "mailbox",
+]
+ASKS = [
+    "Read the next part.",
+    "What does this part do?",
+    "Go on.",
+    "Note anything odd, then read on.",
+    "Keep going.",
+    "Summarize so far, then continue.",
+    "Read more.",
+    "Anything to fix here?",
+    "Continue.",
+    "One more part.",
+]
 
 
 def tool(path: str) -> dict:
@@ -61,13 +123,26 @@ def tool(path: str) -> dict:
             continue
         properties[parameter.name] = {"type": "string", "description": f"the {parameter.name.replace('_', ' ')}"}
     summary = (inspect.getdoc(function) or path).split("\n\n")[0]
-    return {"name": path.replace(".", "_"), "description": summary, "input_schema": {"type": "object", "properties": properties}}
+    return {
+        "name": path.replace(".", "_"),
+        "description": summary,
+        "input_schema": {"type": "object", "properties": properties},
+    }
 
 
 def session(tokenizer, first: int, step: int, turns: int) -> list:
     """The requests of a session (Anthropic Messages bodies), turn by turn."""
-    tools = [tool(f) for f in FUNCTIONS] + [{"name": "read_file", "description": "Read part of a file.", "input_schema": {
-        "type": "object", "properties": {"path": {"type": "string"}, "part": {"type": "integer"}}, "required": ["path"]}}]
+    tools = [tool(f) for f in FUNCTIONS] + [
+        {
+            "name": "read_file",
+            "description": "Read part of a file.",
+            "input_schema": {
+                "type": "object",
+                "properties": {"path": {"type": "string"}, "part": {"type": "integer"}},
+                "required": ["path"],
+            },
+        }
+    ]
     system, reference = "You are a careful assistant who reads code and answers briefly.\n\n# Reference\n", []
     size = lambda text: len(tokenizer.encode(text))  # noqa: E731
     base = size(json.dumps(tools)) + size(system)
@@ -75,8 +150,11 @@ def session(tokenizer, first: int, step: int, turns: int) -> list:
         if base + sum(map(size, reference)) > first - 400:
             break
         imported = __import__(module)
-        functions = [f"{name}: {inspect.getdoc(f).split(chr(10) * 2)[0]}" for name, f in sorted(vars(imported).items())
-                     if inspect.isfunction(f) and not name.startswith("_") and inspect.getdoc(f)]
+        functions = [
+            f"{name}: {inspect.getdoc(f).split(chr(10) * 2)[0]}"
+            for name, f in sorted(vars(imported).items())
+            if inspect.isfunction(f) and not name.startswith("_") and inspect.getdoc(f)
+        ]
         reference.append(f"## {module}\n{inspect.getdoc(imported) or ''}\n" + "\n".join(functions) + "\n")
     system += "\n".join(reference)
     source = "\n".join(Path(inspect.getsourcefile(__import__(m))).read_text() for m in SOURCES)
@@ -84,15 +162,37 @@ def session(tokenizer, first: int, step: int, turns: int) -> list:
     messages = [{"role": "user", "content": f"Read {SOURCES[0]}.py part by part and tell me what you find."}]
     bodies = []
     for turn in range(turns):
-        bodies.append({"model": "local", "max_tokens": 0, "temperature": 0, "system": system, "tools": tools, "messages": list(messages), "stream": True})
+        bodies.append(
+            {
+                "model": "local",
+                "max_tokens": 0,
+                "temperature": 0,
+                "system": system,
+                "tools": tools,
+                "messages": list(messages),
+                "stream": True,
+            }
+        )
         piece = []
         while size("\n".join(piece)) < step - 60 and at < len(lines):
             piece += lines[at : at + 40]
             at += 40
-        call = {"type": "tool_use", "id": f"toolu_{turn}", "name": "read_file", "input": {"path": "source.py", "part": turn}}
-        messages += [{"role": "assistant", "content": [call]},
-                     {"role": "user", "content": [{"type": "tool_result", "tool_use_id": f"toolu_{turn}", "content": "\n".join(piece)},
-                                                  {"type": "text", "text": ASKS[turn % len(ASKS)]}]}]
+        call = {
+            "type": "tool_use",
+            "id": f"toolu_{turn}",
+            "name": "read_file",
+            "input": {"path": "source.py", "part": turn},
+        }
+        messages += [
+            {"role": "assistant", "content": [call]},
+            {
+                "role": "user",
+                "content": [
+                    {"type": "tool_result", "tool_use_id": f"toolu_{turn}", "content": "\n".join(piece)},
+                    {"type": "text", "text": ASKS[turn % len(ASKS)]},
+                ],
+            },
+        ]
     return bodies
 
 
@@ -119,14 +219,26 @@ def ours(url: str, body: dict) -> dict:
                 usage = event["usage"]
     end = time.perf_counter()
     first = first or end  # an empty answer
-    return {"ttft": first - tic, "decode_tps": (usage["output_tokens"] - 1) / (end - first) if end > first else 0.0, "text": text,
-            "seconds": end - tic, "tokens": usage["output_tokens"], "cached": usage.get("cache_read_input_tokens", 0)}
+    return {
+        "ttft": first - tic,
+        "decode_tps": (usage["output_tokens"] - 1) / (end - first) if end > first else 0.0,
+        "text": text,
+        "seconds": end - tic,
+        "tokens": usage["output_tokens"],
+        "cached": usage.get("cache_read_input_tokens", 0),
+    }
 
 
 def theirs(url: str, prompt: str, max_tokens: int) -> dict:
     """One turn through mlx_lm.server's /v1/completions, streamed."""
-    body = {"model": "default_model", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "model": "default_model",
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     tic, first, text, tokens = time.perf_counter(), None, "", 0
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=3600) as response:
         for line in response.iter_lines():
@@ -141,8 +253,13 @@ def theirs(url: str, prompt: str, max_tokens: int) -> dict:
                 tokens = event["usage"]["completion_tokens"]
     end = time.perf_counter()
     first = first or end
-    return {"ttft": first - tic, "decode_tps": (tokens - 1) / (end - first) if end > first else 0.0, "text": text, "seconds": end - tic,
-            "tokens": tokens}
+    return {
+        "ttft": first - tic,
+        "decode_tps": (tokens - 1) / (end - first) if end > first else 0.0,
+        "text": text,
+        "seconds": end - tic,
+        "tokens": tokens,
+    }
 
 
 def answer_of(raw: str, reader) -> str:
@@ -157,7 +274,9 @@ def answer_of(raw: str, reader) -> str:
         text = ""
         for call in tools.calls[called:]:
             arguments = call["arguments"]
-            out += f"<call {call['name']}>" + (arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False))
+            out += f"<call {call['name']}>" + (
+                arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+            )
         if len(tools.calls) == called:
             return out + tools.finish()
 
@@ -165,7 +284,9 @@ def answer_of(raw: str, reader) -> str:
 def prefill_alone(url: str, text: str) -> float:
     """Seconds to the first token of a prompt of just ``text`` (nothing of it cached)."""
     tic = time.perf_counter()
-    response = httpx.post(url + "/v1/completions", json={"prompt": text, "max_tokens": 1, "temperature": 0}, timeout=3600)
+    response = httpx.post(
+        url + "/v1/completions", json={"prompt": text, "max_tokens": 1, "temperature": 0}, timeout=3600
+    )
     response.raise_for_status()
     return time.perf_counter() - tic
 
@@ -177,7 +298,11 @@ def main() -> None:
     parser.add_argument("--first", type=int, default=12000, help="tokens of the first turn, about")
     parser.add_argument("--step", type=int, default=1600, help="tokens each turn adds, about")
     parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--folder", default=os.path.join(tempfile.gettempdir(), "redrafter-bench-gemma"), help="where the float32 mlx-lm folder is saved")
+    parser.add_argument(
+        "--folder",
+        default=os.path.join(tempfile.gettempdir(), "redrafter-bench-gemma"),
+        help="where the float32 mlx-lm folder is saved",
+    )
     parser.add_argument("--json")
     args = parser.parse_args()
     import redrafter_mlx  # noqa: F401
@@ -197,12 +322,16 @@ def main() -> None:
     folder = export(model, Path(args.folder))
     blas = next((p for p in OPENBLAS_PATHS if os.path.exists(p)), None)
     env = dict(os.environ, PYTHONPATH=ROOT, **({"LD_PRELOAD": blas} if blas else {}))
-    servers = {"redrafter": start([sys.executable, "-m", "redrafter_mlx.cli", "serve", "--model", model], env),
-               "mlx_lm": start([sys.executable, "-m", "mlx_lm.server", "--model", folder], env)}
+    servers = {
+        "redrafter": start([sys.executable, "-m", "redrafter_mlx.cli", "serve", "--model", model], env),
+        "mlx_lm": start([sys.executable, "-m", "mlx_lm.server", "--model", folder], env),
+    }
     rows = []
     try:
         for server in servers.values():  # warm-up, on a prompt the session does not start with
-            httpx.post(server[1] + "/v1/completions", json={"prompt": "Hello", "max_tokens": 4, "temperature": 0}, timeout=600)
+            httpx.post(
+                server[1] + "/v1/completions", json={"prompt": "Hello", "max_tokens": 4, "temperature": 0}, timeout=600
+            )
         for turn, (body, text) in enumerate(zip(bodies, texts)):
             first, second = ("redrafter", "mlx_lm") if turn % 2 == 0 else ("mlx_lm", "redrafter")
             row = {"turn": turn + 1, "prompt_tokens": lengths[turn]}
@@ -215,20 +344,34 @@ def main() -> None:
             row["same_text"] = row["redrafter"]["text"] == answer_of(row["mlx_lm"]["text"], reader)
             rows.append(row)
             r, m = row["redrafter"], row["mlx_lm"]
-            alone = f", new tokens alone {row['prefill_new_alone']:.1f} s ({r['ttft'] / row['prefill_new_alone']:.2f}x)" if turn else ""
-            print(f"turn {turn + 1}: {lengths[turn]} tokens ({row['new_tokens']} new): first token {r['ttft']:.1f} s against "
-                  f"{m['ttft']:.1f} s{alone}; decode {r['decode_tps']:.1f} against {m['decode_tps']:.1f} tokens/s; "
-                  f"{r['cached']} cached; same text {row['same_text']}", flush=True)
+            alone = (
+                f", new tokens alone {row['prefill_new_alone']:.1f} s ({r['ttft'] / row['prefill_new_alone']:.2f}x)"
+                if turn
+                else ""
+            )
+            print(
+                f"turn {turn + 1}: {lengths[turn]} tokens ({row['new_tokens']} new): first token {r['ttft']:.1f} s against "
+                f"{m['ttft']:.1f} s{alone}; decode {r['decode_tps']:.1f} against {m['decode_tps']:.1f} tokens/s; "
+                f"{r['cached']} cached; same text {row['same_text']}",
+                flush=True,
+            )
     finally:
         stop(servers)
     total = {name: sum(r[name]["seconds"] for r in rows) for name in servers}
     later = [r["redrafter"]["ttft"] / r["prefill_new_alone"] for r in rows[1:]]
-    print(f"session: {total['redrafter']:.1f} s against {total['mlx_lm']:.1f} s ({total['redrafter'] / total['mlx_lm']:.2f}x); "
-          f"first tokens of turns 2-{len(rows)} over their new tokens alone: median {statistics.median(later):.2f}x, highest {max(later):.2f}x")
+    print(
+        f"session: {total['redrafter']:.1f} s against {total['mlx_lm']:.1f} s ({total['redrafter'] / total['mlx_lm']:.2f}x); "
+        f"first tokens of turns 2-{len(rows)} over their new tokens alone: median {statistics.median(later):.2f}x, highest {max(later):.2f}x"
+    )
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"command": " ".join(sys.argv), "total_seconds": total, "ttft_over_new_alone": later,
-                                               "turns": rows}, indent=1) + "\n")
+        Path(args.json).write_text(
+            json.dumps(
+                {"command": " ".join(sys.argv), "total_seconds": total, "ttft_over_new_alone": later, "turns": rows},
+                indent=1,
+            )
+            + "\n"
+        )
 
 
 if __name__ == "__main__":

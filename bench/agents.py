@@ -40,19 +40,42 @@ def free_port() -> int:
 def install(folder: Path, agents: list) -> dict:
     """npm-install the agents' packages (the newest) into ``folder``; their versions."""
     folder.mkdir(parents=True, exist_ok=True)
-    subprocess.run(["npm", "install", "--prefix", str(folder), "--no-audit", "--no-fund", *[f"{PACKAGES[a]}@latest" for a in agents]],
-                   check=True, stdout=subprocess.DEVNULL)
+    subprocess.run(
+        [
+            "npm",
+            "install",
+            "--prefix",
+            str(folder),
+            "--no-audit",
+            "--no-fund",
+            *[f"{PACKAGES[a]}@latest" for a in agents],
+        ],
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
     versions = {}
     for agent in agents:
-        out = subprocess.run([str(folder / "node_modules" / ".bin" / agent), "--version"], capture_output=True, text=True)
+        out = subprocess.run(
+            [str(folder / "node_modules" / ".bin" / agent), "--version"], capture_output=True, text=True
+        )
         versions[agent] = out.stdout.strip()
     return versions
 
 
 def start_server(model, port: int, extra: list, log: Path) -> subprocess.Popen:
-    command = [sys.executable, "-m", "redrafter_mlx.cli", "serve", "--port", str(port), *(["--model", model] if model else []), *extra]
-    process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=log.open("w"),
-                               env=dict(os.environ, PYTHONPATH=ROOT))
+    command = [
+        sys.executable,
+        "-m",
+        "redrafter_mlx.cli",
+        "serve",
+        "--port",
+        str(port),
+        *(["--model", model] if model else []),
+        *extra,
+    ]
+    process = subprocess.Popen(
+        command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=log.open("w"), env=dict(os.environ, PYTHONPATH=ROOT)
+    )
     while "serving " not in log.read_text():
         if process.poll() is not None:
             sys.exit(f"the server did not start:\n{log.read_text()}")
@@ -74,17 +97,26 @@ def run_agent(agent: str, bin_folder: Path, url: str, question: str, timeout: fl
         codex_home.mkdir()
         (codex_home / "config.toml").write_text(
             'model = "local"\nmodel_provider = "redrafter"\n\n[model_providers.redrafter]\nname = "redrafter-mlx"\n'
-            f'base_url = "{url}/v1"\nwire_api = "responses"\n')
+            f'base_url = "{url}/v1"\nwire_api = "responses"\n'
+        )
         env.update(CODEX_HOME=str(codex_home))
         command = [str(bin_folder / "codex"), "exec", question]
     tic = time.time()
     try:
-        done = subprocess.run(command, cwd=work, env=env, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+        done = subprocess.run(
+            command, cwd=work, env=env, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL
+        )
         code, out, err = done.returncode, done.stdout, done.stderr
     except subprocess.TimeoutExpired as e:
         code, out, err = None, e.stdout or "", e.stderr or ""
         out, err = (x.decode() if isinstance(x, bytes) else x for x in (out, err))
-    return {"agent": agent, "exit_status": code, "seconds": round(time.time() - tic, 1), "stdout": out[-2000:], "stderr": err[-2000:]}
+    return {
+        "agent": agent,
+        "exit_status": code,
+        "seconds": round(time.time() - tic, 1),
+        "stdout": out[-2000:],
+        "stderr": err[-2000:],
+    }
 
 
 def log_lines(log: Path) -> list:
@@ -99,7 +131,11 @@ def log_lines(log: Path) -> list:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default=None, help="for serve: a model path, or 'gemma' for Gemma 3 270M (default: the embedded SmolLM2)")
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="for serve: a model path, or 'gemma' for Gemma 3 270M (default: the embedded SmolLM2)",
+    )
     parser.add_argument("--agents", default="claude,codex")
     parser.add_argument("--question", default="What is the capital of France?")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds each agent may take")
@@ -121,7 +157,10 @@ def main() -> None:
     port = free_port()
     server = start_server(model, port, extra, log)
     try:
-        results = [run_agent(agent, npm / "node_modules" / ".bin", f"http://127.0.0.1:{port}", args.question, args.timeout) for agent in agents]
+        results = [
+            run_agent(agent, npm / "node_modules" / ".bin", f"http://127.0.0.1:{port}", args.question, args.timeout)
+            for agent in agents
+        ]
     finally:
         server.send_signal(signal.SIGINT)
         server.wait(60)
@@ -130,15 +169,31 @@ def main() -> None:
     refusals = [line for line in lines if line[2] == REFUSAL]
     for r in results:
         answer = r["stdout"].strip().splitlines()[-3:] or r["stderr"].strip().splitlines()[-3:]
-        print(f"{r['agent']} {versions[r['agent']]}: exit {r['exit_status']} after {r['seconds']} s; last lines:", *answer, sep="\n  ")
+        print(
+            f"{r['agent']} {versions[r['agent']]}: exit {r['exit_status']} after {r['seconds']} s; last lines:",
+            *answer,
+            sep="\n  ",
+        )
     print(f"server: {len(lines)} requests, {len(refusals)} refused as over the context, {len(errors)} other errors")
     for line in lines:
         print("  ", *line)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"command": " ".join(sys.argv), "model": args.model or "SmolLM2-135M-Instruct", "versions": versions,
-                                               "serve_options": extra, "results": results, "requests": lines, "other_errors": len(errors)},
-                                              indent=1) + "\n")
+        Path(args.json).write_text(
+            json.dumps(
+                {
+                    "command": " ".join(sys.argv),
+                    "model": args.model or "SmolLM2-135M-Instruct",
+                    "versions": versions,
+                    "serve_options": extra,
+                    "results": results,
+                    "requests": lines,
+                    "other_errors": len(errors),
+                },
+                indent=1,
+            )
+            + "\n"
+        )
 
 
 if __name__ == "__main__":

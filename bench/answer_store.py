@@ -38,8 +38,14 @@ def main():
     parser.add_argument("--json")
     args = parser.parse_args()
     plain, tokenizer = load()
-    stored = ReDrafter(plain.base, plain.drafter, plain.identity, plain.drafter_identity, datastore=plain.datastore,
-                       answers=answer_store(args.store_mb))
+    stored = ReDrafter(
+        plain.base,
+        plain.drafter,
+        plain.identity,
+        plain.drafter_identity,
+        datastore=plain.datastore,
+        answers=answer_store(args.store_mb),
+    )
     conversations = [json.loads(line)["turns"] for line in open(args.conversations)]
     repeated = [[json.loads(line)["prompt"]] for line in open(args.repeated)]
     answer(plain, tokenizer, [{"role": "user", "content": "Hello"}], None, 8)  # warm-up
@@ -54,14 +60,19 @@ def main():
                 order = ("without", "with") if turn % 2 == 0 else ("with", "without")
                 result = {}
                 for method in order:
-                    result[method] = answer(stored if method == "with" else plain, tokenizer, messages, caches[method], args.max_tokens)
+                    result[method] = answer(
+                        stored if method == "with" else plain, tokenizer, messages, caches[method], args.max_tokens
+                    )
                 assert result["with"][0] == result["without"][0], "the store changed an answer"
                 tokens = result["with"][0]
-                rows.append({
-                    "turn": len(messages) // 2 + 1, "tokens": len(tokens),
-                    "speedup": result["without"][1] / result["with"][1],
-                    "tokens_per_step": {m: round(result[m][2], 3) for m in result},
-                })
+                rows.append(
+                    {
+                        "turn": len(messages) // 2 + 1,
+                        "tokens": len(tokens),
+                        "speedup": result["without"][1] / result["with"][1],
+                        "tokens_per_step": {m: round(result[m][2], 3) for m in result},
+                    }
+                )
                 messages.append({"role": "assistant", "content": tokenizer.decode(tokens)})
                 turn += 1
         report[name] = {

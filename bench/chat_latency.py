@@ -39,12 +39,19 @@ def main() -> None:
     for turn, question in enumerate(questions, 1):
         messages.append({"role": "user", "content": question})
         runs = {}
-        for way in (("cache", "full") if turn % 2 else ("full", "cache")):
-            text, stats, _ = answer(redrafter, tokenizer, messages, args.max_tokens, lambda s: None, cache if way == "cache" else None)
+        for way in ("cache", "full") if turn % 2 else ("full", "cache"):
+            text, stats, _ = answer(
+                redrafter, tokenizer, messages, args.max_tokens, lambda s: None, cache if way == "cache" else None
+            )
             runs[way] = (text, stats)
         if runs["cache"][0] != runs["full"][0]:
             sys.exit(f"turn {turn}: the answers differ with and without the cache")
-        prompt = len(tokenizer.encode(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), add_special_tokens=False))
+        prompt = len(
+            tokenizer.encode(
+                tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+                add_special_tokens=False,
+            )
+        )
         row = {
             "turn": turn,
             "prompt_tokens": prompt,
@@ -53,7 +60,10 @@ def main() -> None:
             "first_token_s_cache": runs["cache"][1].first_token_seconds,
         }
         rows.append(row)
-        print(f"turn {turn:2d}: prompt {prompt:5d} tokens ({row['cached_tokens']} cached): first token {row['first_token_s_full']:.2f} s full prefill, {row['first_token_s_cache']:.2f} s with the cache", flush=True)
+        print(
+            f"turn {turn:2d}: prompt {prompt:5d} tokens ({row['cached_tokens']} cached): first token {row['first_token_s_full']:.2f} s full prefill, {row['first_token_s_cache']:.2f} s with the cache",
+            flush=True,
+        )
         messages.append({"role": "assistant", "content": runs["cache"][0]})
     summary = {
         "command": " ".join(sys.argv),

@@ -46,8 +46,18 @@ def make_pair(folder: Path) -> tuple[str, str]:
     _, tokenizer = load_base_model(None)
     model_dir.mkdir()
     tokenizer._tokenizer.save_pretrained(str(model_dir))
-    config = dict(model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=256, num_attention_heads=4,
-                  num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=49152, tie_word_embeddings=True, max_position_embeddings=4096)
+    config = dict(
+        model_type="llama",
+        hidden_size=64,
+        num_hidden_layers=2,
+        intermediate_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-5,
+        vocab_size=49152,
+        tie_word_embeddings=True,
+        max_position_embeddings=4096,
+    )
     mx.random.seed(0)
     model = llama.Model(llama.ModelArgs(**config))
     mx.save_safetensors(str(model_dir / "model.safetensors"), dict(tree_flatten(model.parameters())))
@@ -88,8 +98,12 @@ def main():
     os.environ["REDRAFTER_MLX_CACHE"] = str(work / "cache")
     model_dir, drafter_dir = make_pair(work)
     _, tokenizer = load(model_dir, drafter="none")
-    prompt = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], tokenize=False, add_generation_prompt=True),
-                              add_special_tokens=False)
+    prompt = tokenizer.encode(
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": PROMPT}], tokenize=False, add_generation_prompt=True
+        ),
+        add_special_tokens=False,
+    )
     results = []
     for drafter in (drafter_dir, "none"):
         for loading in ("afresh", "once"):
@@ -104,15 +118,27 @@ def main():
                     rate, step_count, emitted = redrafter_tps(pair, prompt, tokens)
                     ratios.append(rate / base_rate)
                     steps.append(emitted / max(step_count, 1))
-                row = {"drafter": "random (never accepted)" if drafter != "none" else "none (lookup only)", "loading": loading,
-                       "tokens": tokens, "median": statistics.median(ratios), "min": min(ratios), "max": max(ratios),
-                       "ratios": ratios, "tokens_per_step": statistics.median(steps)}
+                row = {
+                    "drafter": "random (never accepted)" if drafter != "none" else "none (lookup only)",
+                    "loading": loading,
+                    "tokens": tokens,
+                    "median": statistics.median(ratios),
+                    "min": min(ratios),
+                    "max": max(ratios),
+                    "ratios": ratios,
+                    "tokens_per_step": statistics.median(steps),
+                }
                 results.append(row)
-                print(f"{row['drafter']:>24} loaded {loading:>6}, {tokens:5d} tokens: {row['median']:.3f}x mlx-lm "
-                      f"(rounds {row['min']:.3f}-{row['max']:.3f}), {row['tokens_per_step']:.2f} tokens per step", flush=True)
+                print(
+                    f"{row['drafter']:>24} loaded {loading:>6}, {tokens:5d} tokens: {row['median']:.3f}x mlx-lm "
+                    f"(rounds {row['min']:.3f}-{row['max']:.3f}), {row['tokens_per_step']:.2f} tokens per step",
+                    flush=True,
+                )
     curve = json.loads((work / "cache" / "cost.json").read_text())
     if args.json:
-        Path(args.json).write_text(json.dumps({"command": " ".join(sys.argv), "results": results, "cost_cache": curve}, indent=1) + "\n")
+        Path(args.json).write_text(
+            json.dumps({"command": " ".join(sys.argv), "results": results, "cost_cache": curve}, indent=1) + "\n"
+        )
 
 
 if __name__ == "__main__":

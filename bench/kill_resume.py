@@ -40,8 +40,28 @@ from redrafter_mlx.drafting.drafter import load_drafter  # noqa: E402
 from redrafter_mlx.training.distill import DataFolder  # noqa: E402
 
 JOBS = ("distill", "train", "datastore", "make-drafter")
-TRAIN_OPTIONS = ["--steps", "500", "--eval-every", "100", "--batch-size", "32", "--exit-dim", "32", "--draft-vocab", "128", "--depth", "3"]
-TIMINGS = ("seconds", "cpu_seconds", "seconds_this_run", "stage_minutes", "hours", "cpu_hours")  # fields that differ between any two runs
+TRAIN_OPTIONS = [
+    "--steps",
+    "500",
+    "--eval-every",
+    "100",
+    "--batch-size",
+    "32",
+    "--exit-dim",
+    "32",
+    "--draft-vocab",
+    "128",
+    "--depth",
+    "3",
+]
+TIMINGS = (
+    "seconds",
+    "cpu_seconds",
+    "seconds_this_run",
+    "stage_minutes",
+    "hours",
+    "cpu_hours",
+)  # fields that differ between any two runs
 
 
 def make_inputs(folder: Path, prompts: int = 64) -> tuple[Path, Path]:
@@ -129,26 +149,95 @@ def jobs(model: Path, prompts: Path, reference_data: Path, reference_drafter: Pa
         return out.parent / (out.name + "-data")
 
     return {
-        "distill": Job("distill", lambda out: ["distill", "--model", model, "--prompts", prompts, "--output", out, "--max-tokens", "48",
-                                               "--batch-size", "4", "--shard-size", "4"],
-                       result=data_state),
-        "train": Job("train", lambda out: ["train", "--model", model, "--data", data_of(out), "--output", out, *TRAIN_OPTIONS, "--save-every", "20"],
-                     prepare=copy_data, result=lambda out: dict(drafter_state(out), data=data_state(data_of(out))),
-                     not_a_drafter=lambda out: [out], watched=lambda out: [out.parent / (out.name + ".train"), out]),
-        "datastore": Job("datastore", lambda out: ["datastore", "--data", reference_data, "--drafter", out], prepare=copy_drafter,
-                         result=lambda out: dict(drafter_state(out), card=digest(out / "README.md")),
-                         watched=lambda out: []),  # its one write is its last act: kills land anywhere in it
-        "make-drafter": Job("make-drafter", lambda out: ["make-drafter", "--model", model, "--prompts", prompts, "--output", out,
-                                                         "--max-prompts", "12", "--steps", "12", "--max-tokens", "12", "--held-out", "3",
-                                                         "--measure-prompts", "2"],
-                            result=lambda out: dict(drafter_state(out), **{f.name: data_state(f) for f in sorted((out.parent / (out.name + ".make")).glob("distill-*")) if f.is_dir()}),
-                            not_a_drafter=lambda out: [out], watched=lambda out: [out.parent / (out.name + ".make")]),
+        "distill": Job(
+            "distill",
+            lambda out: [
+                "distill",
+                "--model",
+                model,
+                "--prompts",
+                prompts,
+                "--output",
+                out,
+                "--max-tokens",
+                "48",
+                "--batch-size",
+                "4",
+                "--shard-size",
+                "4",
+            ],
+            result=data_state,
+        ),
+        "train": Job(
+            "train",
+            lambda out: [
+                "train",
+                "--model",
+                model,
+                "--data",
+                data_of(out),
+                "--output",
+                out,
+                *TRAIN_OPTIONS,
+                "--save-every",
+                "20",
+            ],
+            prepare=copy_data,
+            result=lambda out: dict(drafter_state(out), data=data_state(data_of(out))),
+            not_a_drafter=lambda out: [out],
+            watched=lambda out: [out.parent / (out.name + ".train"), out],
+        ),
+        "datastore": Job(
+            "datastore",
+            lambda out: ["datastore", "--data", reference_data, "--drafter", out],
+            prepare=copy_drafter,
+            result=lambda out: dict(drafter_state(out), card=digest(out / "README.md")),
+            watched=lambda out: [],
+        ),  # its one write is its last act: kills land anywhere in it
+        "make-drafter": Job(
+            "make-drafter",
+            lambda out: [
+                "make-drafter",
+                "--model",
+                model,
+                "--prompts",
+                prompts,
+                "--output",
+                out,
+                "--max-prompts",
+                "12",
+                "--steps",
+                "12",
+                "--max-tokens",
+                "12",
+                "--held-out",
+                "3",
+                "--measure-prompts",
+                "2",
+            ],
+            result=lambda out: dict(
+                drafter_state(out),
+                **{
+                    f.name: data_state(f)
+                    for f in sorted((out.parent / (out.name + ".make")).glob("distill-*"))
+                    if f.is_dir()
+                },
+            ),
+            not_a_drafter=lambda out: [out],
+            watched=lambda out: [out.parent / (out.name + ".make")],
+        ),
     }
 
 
 def start(job: Job, out: Path, env: dict) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "redrafter_mlx.cli", *map(str, job.arguments(out))], cwd=ROOT, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "redrafter_mlx.cli", *map(str, job.arguments(out))],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def finish(job: Job, out: Path, env: dict) -> None:
@@ -238,7 +327,14 @@ def run(names: list, points: int, seed: int, say=print) -> dict:
         model, prompts = make_inputs(work)
         # What train and datastore start from: one distillation, one training.
         finish(jobs(model, prompts, work / "data", work / "drafter")["distill"], work / "data", env)
-        finish(Job("train", lambda out: ["train", "--model", model, "--data", work / "data", "--output", out, *TRAIN_OPTIONS]), work / "drafter", env)
+        finish(
+            Job(
+                "train",
+                lambda out: ["train", "--model", model, "--data", work / "data", "--output", out, *TRAIN_OPTIONS],
+            ),
+            work / "drafter",
+            env,
+        )
         summary = {"points_per_job": points, "seed": seed, "jobs": {}}
         for name in names:
             job = jobs(model, prompts, work / "data", work / "drafter")[name]
@@ -254,19 +350,30 @@ def run(names: list, points: int, seed: int, say=print) -> dict:
                 trial = killed_and_resumed(job, out, env, after, expected)
                 trial["identical"] = trial.pop("result") == expected
                 trials.append(trial)
-                say(f"{name} {len(trials)}: killed at {trial['kill_at_seconds']:.2f} s of about {total:.2f} s"
+                say(
+                    f"{name} {len(trials)}: killed at {trial['kill_at_seconds']:.2f} s of about {total:.2f} s"
                     + (" (it had finished)" if trial["finished_before_the_kill"] else "")
                     + f", resumed {'identical' if trial['identical'] else 'DIFFERENT'}"
                     + (" (after its last rename)" if trial.get("left_finished") else "")
-                    + (f", left a partial drafter that loads in {trial['left_loadable']}" if trial.get("left_loadable") else ""))
+                    + (
+                        f", left a partial drafter that loads in {trial['left_loadable']}"
+                        if trial.get("left_loadable")
+                        else ""
+                    )
+                )
             summary["jobs"][name] = {
-                "uninterrupted_seconds": round(total, 2), "first_write_seconds": round(first, 2),
-                "identical": sum(t["identical"] for t in trials), "trials": len(trials),
+                "uninterrupted_seconds": round(total, 2),
+                "first_write_seconds": round(first, 2),
+                "identical": sum(t["identical"] for t in trials),
+                "trials": len(trials),
                 "killed": sum(not t["finished_before_the_kill"] for t in trials),
-                "left_loadable": sum(bool(t.get("left_loadable")) for t in trials), "each": trials,
+                "left_loadable": sum(bool(t.get("left_loadable")) for t in trials),
+                "each": trials,
             }
-            say(f"{name}: {summary['jobs'][name]['killed']} kills landed; {summary['jobs'][name]['identical']} of {len(trials)} resumed runs identical, "
-                f"{summary['jobs'][name]['left_loadable']} killed runs left a partial folder that loads as a drafter")
+            say(
+                f"{name}: {summary['jobs'][name]['killed']} kills landed; {summary['jobs'][name]['identical']} of {len(trials)} resumed runs identical, "
+                f"{summary['jobs'][name]['left_loadable']} killed runs left a partial folder that loads as a drafter"
+            )
         summary["identical"] = sum(j["identical"] for j in summary["jobs"].values())
         summary["trials"] = sum(j["trials"] for j in summary["jobs"].values())
         return summary

@@ -72,7 +72,11 @@ def main() -> None:
         prompt = ids[:length]
         runs = {"redrafter": [], "mlx_lm": []}
         for repeat in range(args.repeats):
-            for name, run in (("redrafter", ours), ("mlx_lm", theirs)) if repeat % 2 == 0 else (("mlx_lm", theirs), ("redrafter", ours)):
+            for name, run in (
+                (("redrafter", ours), ("mlx_lm", theirs))
+                if repeat % 2 == 0
+                else (("mlx_lm", theirs), ("redrafter", ours))
+            ):
                 runs[name].append(timed(run, base, prompt))
         row = {"tokens": len(prompt)}
         for name, measured in runs.items():
@@ -80,10 +84,16 @@ def main() -> None:
             row[f"{name}_peak_gb"] = max(m for _, m in measured)
         row["ratio"] = row["mlx_lm_seconds"] / row["redrafter_seconds"]
         rows.append(row)
-        print(f"{len(prompt)} tokens: redrafter-mlx {row['redrafter_seconds']:.1f} s ({row['redrafter_peak_gb']:.2f} GB), mlx-lm "
-              f"{row['mlx_lm_seconds']:.1f} s ({row['mlx_lm_peak_gb']:.2f} GB): {row['ratio']:.2f}x as fast", flush=True)
+        print(
+            f"{len(prompt)} tokens: redrafter-mlx {row['redrafter_seconds']:.1f} s ({row['redrafter_peak_gb']:.2f} GB), mlx-lm "
+            f"{row['mlx_lm_seconds']:.1f} s ({row['mlx_lm_peak_gb']:.2f} GB): {row['ratio']:.2f}x as fast",
+            flush=True,
+        )
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps({"command": " ".join(sys.argv), "environment": environment(redrafter), "lengths": rows}, indent=1) + "\n")
+    Path(args.json).write_text(
+        json.dumps({"command": " ".join(sys.argv), "environment": environment(redrafter), "lengths": rows}, indent=1)
+        + "\n"
+    )
 
 
 if __name__ == "__main__":

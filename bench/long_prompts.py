@@ -46,7 +46,16 @@ from redrafter_mlx.serving.bench import environment  # noqa: E402
 
 MODULES = {
     "tune": ["argparse", "inspect", "tarfile", "pydoc", "logging"],
-    "heldout": ["typing", "_pydecimal", "email._header_value_parser", "mailbox", "turtle", "configparser", "difflib", "smtplib"],
+    "heldout": [
+        "typing",
+        "_pydecimal",
+        "email._header_value_parser",
+        "mailbox",
+        "turtle",
+        "configparser",
+        "difflib",
+        "smtplib",
+    ],
 }
 
 
@@ -88,7 +97,10 @@ def build(tokenizer, module: str, length: int, kind: str) -> dict:
     else:
         kind = "summary"
         if chat:
-            prompt = encode_prompt(tokenizer, [{"role": "user", "content": f"{text}\n\nSummarize in a few sentences what the code above does."}])
+            prompt = encode_prompt(
+                tokenizer,
+                [{"role": "user", "content": f"{text}\n\nSummarize in a few sentences what the code above does."}],
+            )
         else:
             prompt = tokenizer.encode(f'{text}\n\n\n"""A summary of the module above, in plain English:\n\n')
     return {"module": module, "kind": kind, "function": name, "prompt": prompt}
@@ -102,7 +114,14 @@ def mlx_lm_caches(model, cache: list, windows: list, length: int) -> list:
         keys, values = ours.keys[..., :length, :], ours.values[..., :length, :]
         if isinstance(theirs, RotatingKVCache):
             kept = min(length, theirs.max_size)
-            theirs.state = (keys[..., length - kept :, :], values[..., length - kept :, :], length, theirs.keep, theirs.max_size, kept)
+            theirs.state = (
+                keys[..., length - kept :, :],
+                values[..., length - kept :, :],
+                length,
+                theirs.keep,
+                theirs.max_size,
+                kept,
+            )
         elif isinstance(theirs, KVCache):
             theirs.state = (keys, values, length)
     return caches
@@ -127,7 +146,9 @@ def plain(model, prompt: list, saved: list, max_tokens: int, eos: set) -> tuple:
 def redrafter_run(redrafter, prompt: list, kv: list, max_tokens: int, eos: set) -> tuple:
     cache = PromptCache(prompt[:-1], [k for k, _ in kv], [v for _, v in kv], redrafter.identity)
     tokens, first, steps = [], None, 0
-    for outputs in generate_steps(redrafter, [prompt], max_tokens=max_tokens, eos_token_ids=list(eos), prompt_caches=[cache]):
+    for outputs in generate_steps(
+        redrafter, [prompt], max_tokens=max_tokens, eos_token_ids=list(eos), prompt_caches=[cache]
+    ):
         first = first or time.perf_counter()
         for out in outputs:
             tokens += out.tokens
@@ -150,20 +171,31 @@ def measure(redrafter, tokenizer, case: dict, max_tokens: int, repeats: int) -> 
         plain_rate, rate = (len(a) - 1) / plain_seconds, (len(b) - 1) / seconds
         ratios.append(rate / plain_rate)
         runs.append({"plain_tps": plain_rate, "redrafter_tps": rate, "tokens": len(b), "steps": steps, "same": a == b})
-    return {**{k: case[k] for k in ("module", "kind", "function")}, "prompt_tokens": len(prompt), "speedup": statistics.median(ratios),
-            "same": all(r["same"] for r in runs), "tokens_per_step": sum(r["tokens"] - 1 for r in runs) / max(sum(r["steps"] for r in runs), 1),
-            "runs": runs}
+    return {
+        **{k: case[k] for k in ("module", "kind", "function")},
+        "prompt_tokens": len(prompt),
+        "speedup": statistics.median(ratios),
+        "same": all(r["same"] for r in runs),
+        "tokens_per_step": sum(r["tokens"] - 1 for r in runs) / max(sum(r["steps"] for r in runs), 1),
+        "runs": runs,
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default=None, help="mlx-lm folder or .gguf; 'gemma' for Gemma 3 270M; default: the embedded SmolLM2")
-    parser.add_argument("--drafter", default=None, help="drafter folder, or none (default: the model's shipped drafter)")
+    parser.add_argument(
+        "--model", default=None, help="mlx-lm folder or .gguf; 'gemma' for Gemma 3 270M; default: the embedded SmolLM2"
+    )
+    parser.add_argument(
+        "--drafter", default=None, help="drafter folder, or none (default: the model's shipped drafter)"
+    )
     parser.add_argument("--lengths", default="500,2000,7000", help="comma-separated prompt lengths in tokens")
     parser.add_argument("--set", choices=sorted(MODULES), default="heldout", help="which modules build the prompts")
     parser.add_argument("--modules", type=int, default=3, help="modules per length; each gives an edit and a summary")
     parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=2, help="alternating runs per prompt; its speed-up is their median")
+    parser.add_argument(
+        "--repeats", type=int, default=2, help="alternating runs per prompt; its speed-up is their median"
+    )
     parser.add_argument("--json", required=True, help="where the results go")
     args = parser.parse_args()
     model = gemma3_270m_path() if args.model == "gemma" else args.model
@@ -175,18 +207,38 @@ def main() -> None:
                 case = build(tokenizer, module, length, kind)
                 result = measure(redrafter, tokenizer, case, args.max_tokens, args.repeats)
                 results.append(dict(result, length=length))
-                print(f"{length:>6} {module:<28} {result['kind']:<8} {result['prompt_tokens']:>6} tokens  {result['speedup']:.3f}x  "
-                      f"{result['tokens_per_step']:.2f} tokens/step  same={result['same']}", flush=True)
+                print(
+                    f"{length:>6} {module:<28} {result['kind']:<8} {result['prompt_tokens']:>6} tokens  {result['speedup']:.3f}x  "
+                    f"{result['tokens_per_step']:.2f} tokens/step  same={result['same']}",
+                    flush=True,
+                )
     summary = {}
     for length in sorted({r["length"] for r in results}):
         for kind in ("edit", "summary"):
             ratios = [r["speedup"] for r in results if r["length"] == length and r["kind"] == kind]
             if ratios:
-                summary[f"{length} {kind}"] = {"median": statistics.median(ratios), "min": min(ratios), "prompts": len(ratios)}
-                print(f"{length:>6} {kind:<8} median {statistics.median(ratios):.3f}x  lowest {min(ratios):.3f}x  ({len(ratios)} prompts)")
+                summary[f"{length} {kind}"] = {
+                    "median": statistics.median(ratios),
+                    "min": min(ratios),
+                    "prompts": len(ratios),
+                }
+                print(
+                    f"{length:>6} {kind:<8} median {statistics.median(ratios):.3f}x  lowest {min(ratios):.3f}x  ({len(ratios)} prompts)"
+                )
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps({"command": " ".join(sys.argv), "environment": environment(redrafter), "summary": summary,
-                                           "mismatches": sum(not r["same"] for r in results), "results": results}, indent=1) + "\n")
+    Path(args.json).write_text(
+        json.dumps(
+            {
+                "command": " ".join(sys.argv),
+                "environment": environment(redrafter),
+                "summary": summary,
+                "mismatches": sum(not r["same"] for r in results),
+                "results": results,
+            },
+            indent=1,
+        )
+        + "\n"
+    )
 
 
 if __name__ == "__main__":

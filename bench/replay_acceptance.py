@@ -29,7 +29,14 @@ from redrafter_mlx.drafting.drafter import load_drafter
 from redrafter_mlx.drafting.settings import DraftSettings
 from redrafter_mlx.errors import UserError
 from redrafter_mlx.training.replay import (
-    accepted_lengths, datastore_lengths, in_vocabulary_lengths, load_greedy_folder, lookup_lengths, step_figures, tokens_per_step, with_continuation,
+    accepted_lengths,
+    datastore_lengths,
+    in_vocabulary_lengths,
+    load_greedy_folder,
+    lookup_lengths,
+    step_figures,
+    tokens_per_step,
+    with_continuation,
 )
 from redrafter_mlx.training.config import TrainConfig
 from redrafter_mlx.training.data import build_positions, cached_positions, draft_index_map, draft_targets
@@ -44,7 +51,9 @@ def teacher_forced_accuracy(drafter, draft_token_ids, embed, hidden, windows, vo
     for start in range(0, len(windows), batch_size):
         window = windows[start : start + batch_size]
         h = mx.array(hidden[start : start + batch_size].astype(np.float32))
-        _, hits, _ = drafter_loss(drafter, embed, h, mx.array(window[:, :-1]), mx.array(draft_targets(to_draft, window[:, 1:])))
+        _, hits, _ = drafter_loss(
+            drafter, embed, h, mx.array(window[:, :-1]), mx.array(draft_targets(to_draft, window[:, 1:]))
+        )
         correct = correct + np.array(hits)
     return (correct / np.maximum(targets, 1)).round(4).tolist()
 
@@ -79,21 +88,48 @@ def sampled_agreement(drafter, embed, head, hidden, next_hidden, windows, temp, 
         probs = mx.softmax(logits, axis=-1)
         plain += mx.take_along_axis(probs, ids[mx.argmax(drafted, axis=-1)][:, None], axis=-1).sum().item()
         coupled += (ids[mx.argmax(drafted / temp + noise[:, ids], axis=-1)] == sampled).sum().item()
-    return {"temp": temp, "depth1_argmax": round(plain / len(first), 4), "depth1_noise_aimed": round(coupled / len(first), 4)}
+    return {
+        "temp": temp,
+        "depth1_argmax": round(plain / len(first), 4),
+        "depth1_noise_aimed": round(coupled / len(first), 4),
+    }
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None, help="The base model the data was distilled from (default: the embedded one).")
+    parser.add_argument(
+        "--model", default=None, help="The base model the data was distilled from (default: the embedded one)."
+    )
     parser.add_argument("--drafter", required=True)
     parser.add_argument("--data", required=True, help="A greedy distillation data folder.")
     parser.add_argument("--shapes", default="1x5,2x5,4x5,8x5")
     parser.add_argument("--all", action="store_true", help="Replay every sequence, not only held-out ones.")
-    parser.add_argument("--lookup", action="store_true", help="Also replay each shape with one context-lookup continuation in the tree.")
-    parser.add_argument("--lookup-length", type=int, default=DraftSettings.lookup_length, help="Tokens the lookup continuation drafts (default: generate's).")
-    parser.add_argument("--datastore", type=int, default=0, help="Also replay each shape with this many continuations from the drafter's datastore in the tree.")
-    parser.add_argument("--temp", type=float, default=0.0, help="Also measure depth-1 agreement with the base model's samples at this temperature (``sampled_agreement``).")
-    parser.add_argument("--later-rows", default="", help="Also replay each shape with the drafted tokens after the first taken from this many most frequent draft-vocabulary rows (comma-separated sizes).")
+    parser.add_argument(
+        "--lookup", action="store_true", help="Also replay each shape with one context-lookup continuation in the tree."
+    )
+    parser.add_argument(
+        "--lookup-length",
+        type=int,
+        default=DraftSettings.lookup_length,
+        help="Tokens the lookup continuation drafts (default: generate's).",
+    )
+    parser.add_argument(
+        "--datastore",
+        type=int,
+        default=0,
+        help="Also replay each shape with this many continuations from the drafter's datastore in the tree.",
+    )
+    parser.add_argument(
+        "--temp",
+        type=float,
+        default=0.0,
+        help="Also measure depth-1 agreement with the base model's samples at this temperature (``sampled_agreement``).",
+    )
+    parser.add_argument(
+        "--later-rows",
+        default="",
+        help="Also replay each shape with the drafted tokens after the first taken from this many most frequent draft-vocabulary rows (comma-separated sizes).",
+    )
     args = parser.parse_args()
     if args.lookup_length < 1:
         parser.error(f"--lookup-length must be at least 1, got {args.lookup_length}")
@@ -107,19 +143,29 @@ def main():
     counts = cached_positions(sequences)  # positions, i.e. response tokens, per sequence
     first_row = np.concatenate([[0], np.cumsum(counts)[:-1]])
     # A sequence is held out when its positions are (the trainer's rule).
-    keep = np.ones(len(counts), bool) if args.all else (counts > 0) & positions.held_out[np.minimum(first_row, len(positions.held_out) - 1)]
+    keep = (
+        np.ones(len(counts), bool)
+        if args.all
+        else (counts > 0) & positions.held_out[np.minimum(first_row, len(positions.held_out) - 1)]
+    )
     rows = sequence_rows(counts, keep)
     result = {"drafter": args.drafter, "sequences": int(keep.sum()), "tokens": int(counts[keep].sum())}
     windows, row_hidden = positions.tokens[rows], hidden[positions.hidden_row[rows]]
     draft_token_ids = getattr(drafter, "draft_token_ids", None)
-    result["accuracy"] = teacher_forced_accuracy(drafter, draft_token_ids, base.embed, row_hidden, windows, base.vocab_size)
+    result["accuracy"] = teacher_forced_accuracy(
+        drafter, draft_token_ids, base.embed, row_hidden, windows, base.vocab_size
+    )
     if args.temp > 0:
         next_hidden = hidden[np.minimum(positions.hidden_row[rows] + 1, len(hidden) - 1)]
-        result["sampled"] = sampled_agreement(drafter, base.embed, base.head, row_hidden, next_hidden, windows, args.temp)
+        result["sampled"] = sampled_agreement(
+            drafter, base.embed, base.head, row_hidden, next_hidden, windows, args.temp
+        )
     if draft_token_ids is not None:
         bound = in_vocabulary_lengths(windows[:, :longest], np.array(draft_token_ids), base.vocab_size)
         result[f"draft_vocab_ceiling_x{longest}"] = round(tokens_per_step(bound, counts[keep]), 3)
-    lookup, lookup_length = (lookup_lengths(sequences, keep, args.lookup_length), args.lookup_length) if args.lookup else (None, 0)
+    lookup, lookup_length = (
+        (lookup_lengths(sequences, keep, args.lookup_length), args.lookup_length) if args.lookup else (None, 0)
+    )
     if lookup is not None:
         result[f"lookup_{lookup_length}_drafted"] = round(tokens_per_step(lookup, counts[keep]), 3)
     stored = None
@@ -127,7 +173,9 @@ def main():
         datastore = load_datastore(args.drafter, base.vocab_size, required=True)
         stored = datastore_lengths(datastore, sequences, keep, longest - 1, args.datastore)
         if lookup is not None:
-            result[f"lookup_{lookup_length}+datastore_{longest - 1}_drafted"] = round(tokens_per_step(with_continuation(stored, lookup, lookup_length), counts[keep]), 3)
+            result[f"lookup_{lookup_length}+datastore_{longest - 1}_drafted"] = round(
+                tokens_per_step(with_continuation(stored, lookup, lookup_length), counts[keep]), 3
+            )
     for width, length in shapes:
         accepted = accepted_lengths(drafter, base.embed, row_hidden, windows[:, :length], width)
         result.update(step_figures(f"{width}x{length}", accepted, counts[keep], lookup, lookup_length))
@@ -135,8 +183,12 @@ def main():
             both = with_continuation(accepted, stored, length - 1)
             result.update(step_figures(f"{width}x{length}+datastore", both, counts[keep], lookup, lookup_length))
         for rows_kept in [int(r) for r in args.later_rows.split(",") if r]:
-            shortlisted = accepted_lengths(drafter, base.embed, row_hidden, windows[:, :length], width, later_rows=rows_kept)
-            result.update(step_figures(f"{width}x{length}_later{rows_kept}", shortlisted, counts[keep], lookup, lookup_length))
+            shortlisted = accepted_lengths(
+                drafter, base.embed, row_hidden, windows[:, :length], width, later_rows=rows_kept
+            )
+            result.update(
+                step_figures(f"{width}x{length}_later{rows_kept}", shortlisted, counts[keep], lookup, lookup_length)
+            )
         print(json.dumps(result), flush=True)
 
 

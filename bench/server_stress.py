@@ -59,17 +59,21 @@ from redrafter_mlx.serving.process import allow_open_files  # noqa: E402
 
 CLIENTS = 8
 CHAT = "/v1/chat/completions"
-THINGS = ("a river, a lighthouse, bread, a violin, the moon, a glacier, a library, coffee, a bicycle, a volcano, chess, a forest, "
-          "the ocean, a clock, honey, a bridge, a desert, rain, a telescope, a garden, paper, a mountain, snow, a compass, tea, "
-          "a castle, a harbor, thunder, a map, wool, a candle, a canyon, silk, an orchard, a train, salt, a piano, a cave, ice, "
-          "a windmill, a meadow, a kite, copper, a lake, a drum, fog, a market, a feather, glass, a tunnel, a seed, a storm, "
-          "an island, a lantern, marble, a valley, a bell, sand, a raft, a comet, a spider, clay, a fountain, a canal").split(", ")
-WORDS = ("time year people way day man thing woman life child world school state family student group country problem hand "
-         "part place case week company system program question work government number night point home water room mother area "
-         "money story fact month lot right study book eye job word business issue side kind head house service friend father "
-         "power hour game line end member law car city community name president team minute idea kid body information back "
-         "parent face others level office door health person art war history party result change morning reason research girl "
-         "guy moment air teacher force education").split()
+THINGS = (
+    "a river, a lighthouse, bread, a violin, the moon, a glacier, a library, coffee, a bicycle, a volcano, chess, a forest, "
+    "the ocean, a clock, honey, a bridge, a desert, rain, a telescope, a garden, paper, a mountain, snow, a compass, tea, "
+    "a castle, a harbor, thunder, a map, wool, a candle, a canyon, silk, an orchard, a train, salt, a piano, a cave, ice, "
+    "a windmill, a meadow, a kite, copper, a lake, a drum, fog, a market, a feather, glass, a tunnel, a seed, a storm, "
+    "an island, a lantern, marble, a valley, a bell, sand, a raft, a comet, a spider, clay, a fountain, a canal"
+).split(", ")
+WORDS = (
+    "time year people way day man thing woman life child world school state family student group country problem hand "
+    "part place case week company system program question work government number night point home water room mother area "
+    "money story fact month lot right study book eye job word business issue side kind head house service friend father "
+    "power hour game line end member law car city community name president team minute idea kid body information back "
+    "parent face others level office door health person art war history party result change morning reason research girl "
+    "guy moment air teacher force education"
+).split()
 
 
 def free_port() -> int:
@@ -80,7 +84,9 @@ def free_port() -> int:
 
 def start(command: list, env: dict, log) -> tuple:
     port = free_port()
-    process = subprocess.Popen(command + ["--port", str(port)], cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=log)
+    process = subprocess.Popen(
+        command + ["--port", str(port)], cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=log
+    )
     url = f"http://127.0.0.1:{port}"
     while True:
         try:
@@ -122,7 +128,11 @@ def metrics(url: str) -> dict:
 
 
 def server_5xx(rows: dict) -> int:
-    return int(sum(v for (name, labels), v in rows.items() if name == "requests_total" and re.search(r'status="5\d\d"', labels)))
+    return int(
+        sum(
+            v for (name, labels), v in rows.items() if name == "requests_total" and re.search(r'status="5\d\d"', labels)
+        )
+    )
 
 
 def normal_clients(url: str, prompts: list, max_tokens: int, timeout: float = 600.0) -> dict:
@@ -148,9 +158,14 @@ def normal_clients(url: str, prompts: list, max_tokens: int, timeout: float = 60
     with ThreadPoolExecutor(CLIENTS) as pool:
         results = [r for share in pool.map(client, [prompts[i::CLIENTS] for i in range(CLIENTS)]) for r in share]
     seconds = [s if status == 200 else timeout for s, status in results if status in (200, "timed out")]
-    return {"requests": len(results), "answered": sum(1 for _, s in results if s == 200), "timed_out": sum(1 for _, s in results if s == "timed out"),
-            "median_latency_s": statistics.median(seconds) if seconds else None,
-            "statuses": sorted({str(status) for _, status in results}), "errors_5xx": sum(1 for _, s in results if isinstance(s, int) and s >= 500)}
+    return {
+        "requests": len(results),
+        "answered": sum(1 for _, s in results if s == 200),
+        "timed_out": sum(1 for _, s in results if s == "timed out"),
+        "median_latency_s": statistics.median(seconds) if seconds else None,
+        "statuses": sorted({str(status) for _, status in results}),
+        "errors_5xx": sum(1 for _, s in results if isinstance(s, int) and s >= 500),
+    }
 
 
 # The load, in a process of its own -----------------------------------------
@@ -188,12 +203,16 @@ async def load(port: int, idle: int, slow: int, leavers: int, leaver_words: int,
                 await asyncio.sleep(0.5)
 
     async def slow_client(i):
-        body = json.dumps({"messages": [{"role": "user", "content": f"Say hello to client {i}, slowly."}], "max_tokens": 8}).encode()
+        body = json.dumps(
+            {"messages": [{"role": "user", "content": f"Say hello to client {i}, slowly."}], "max_tokens": 8}
+        ).encode()
         await asyncio.sleep(i * 0.05)
         while not stop.is_set():
             try:
                 reader, writer = await asyncio.open_connection("127.0.0.1", port)
-                writer.write(f"POST {CHAT} HTTP/1.1\r\nHost: stress\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode())
+                writer.write(
+                    f"POST {CHAT} HTTP/1.1\r\nHost: stress\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+                )
                 tic, sent, status = time.monotonic(), 0, None
                 while status is None and not stop.is_set():
                     try:
@@ -218,7 +237,10 @@ async def load(port: int, idle: int, slow: int, leavers: int, leaver_words: int,
             body = json.dumps({"messages": [{"role": "user", "content": prompt}], "max_tokens": 16}).encode()
             try:
                 reader, writer = await asyncio.open_connection("127.0.0.1", port)
-                writer.write(f"POST {CHAT} HTTP/1.1\r\nHost: stress\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+                writer.write(
+                    f"POST {CHAT} HTTP/1.1\r\nHost: stress\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+                    + body
+                )
                 try:
                     status = await asyncio.wait_for(read_answer(reader), rng.uniform(0.5, 2.0))
                     tally["leaver_answered"].append(status)  # answered before it could leave
@@ -229,14 +251,27 @@ async def load(port: int, idle: int, slow: int, leavers: int, leaver_words: int,
                 tally["leaver_errors"].append(type(e).__name__)
             await asyncio.sleep(1.0)
 
-    tasks = [idle_connection(i) for i in range(idle)] + [slow_client(i) for i in range(slow)] + [leaver(i) for i in range(leavers)]
+    tasks = (
+        [idle_connection(i) for i in range(idle)]
+        + [slow_client(i) for i in range(slow)]
+        + [leaver(i) for i in range(leavers)]
+    )
     await asyncio.gather(*tasks)
 
 
 def run_load(port, idle, slow, leavers, leaver_words, stop, results) -> None:
     allow_open_files(idle + slow + leavers + 256)
-    tally = {"idle_statuses": [], "idle_errors": [], "idle_open": 0, "slow_statuses": [], "slow_seconds": [], "slow_errors": [],
-             "leaver_answered": [], "leaver_left": 0, "leaver_errors": []}
+    tally = {
+        "idle_statuses": [],
+        "idle_errors": [],
+        "idle_open": 0,
+        "slow_statuses": [],
+        "slow_seconds": [],
+        "slow_errors": [],
+        "leaver_answered": [],
+        "leaver_left": 0,
+        "leaver_errors": [],
+    }
     stopping = threading.Event()
 
     def watch():  # a multiprocessing Event cannot be awaited: mirrored into the loop's thread-safe view
@@ -245,16 +280,25 @@ def run_load(port, idle, slow, leavers, leaver_words, stop, results) -> None:
 
     threading.Thread(target=watch, daemon=True).start()
     asyncio.run(load(port, idle, slow, leavers, leaver_words, stopping, tally))
-    results.put({
-        "idle_requests": len(tally["idle_statuses"]), "idle_statuses": sorted(set(tally["idle_statuses"])),
-        "idle_5xx": sum(1 for s in tally["idle_statuses"] if s >= 500), "idle_errors": sorted(set(tally["idle_errors"])),
-        "slow_answers": len(tally["slow_statuses"]), "slow_statuses": sorted(set(tally["slow_statuses"])),
-        "slow_5xx": sum(1 for s in tally["slow_statuses"] if s >= 500),
-        "slow_median_seconds_to_answer": statistics.median(tally["slow_seconds"]) if tally["slow_seconds"] else None,
-        "slow_errors": sorted(set(tally["slow_errors"])),
-        "leavers_left": tally["leaver_left"], "leavers_answered_first": len(tally["leaver_answered"]),
-        "leaver_5xx": sum(1 for s in tally["leaver_answered"] if s >= 500), "leaver_errors": sorted(set(tally["leaver_errors"])),
-    })
+    results.put(
+        {
+            "idle_requests": len(tally["idle_statuses"]),
+            "idle_statuses": sorted(set(tally["idle_statuses"])),
+            "idle_5xx": sum(1 for s in tally["idle_statuses"] if s >= 500),
+            "idle_errors": sorted(set(tally["idle_errors"])),
+            "slow_answers": len(tally["slow_statuses"]),
+            "slow_statuses": sorted(set(tally["slow_statuses"])),
+            "slow_5xx": sum(1 for s in tally["slow_statuses"] if s >= 500),
+            "slow_median_seconds_to_answer": statistics.median(tally["slow_seconds"])
+            if tally["slow_seconds"]
+            else None,
+            "slow_errors": sorted(set(tally["slow_errors"])),
+            "leavers_left": tally["leaver_left"],
+            "leavers_answered_first": len(tally["leaver_answered"]),
+            "leaver_5xx": sum(1 for s in tally["leaver_answered"] if s >= 500),
+            "leaver_errors": sorted(set(tally["leaver_errors"])),
+        }
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -265,14 +309,35 @@ def main() -> None:
     parser.add_argument("--model", help="model to serve (default: the embedded one)")
     parser.add_argument("--idle", type=int, default=1000, help="idle keep-alive connections held")
     parser.add_argument("--slow", type=int, default=50, help="clients sending their body a byte a second")
-    parser.add_argument("--leavers", type=int, default=50, help="clients sending a long prompt and leaving during its prefill")
-    parser.add_argument("--leaver-words", type=int, default=2500, help="words of a leaver's prompt (more than a prefill chunk's 2,048 tokens)")
+    parser.add_argument(
+        "--leavers", type=int, default=50, help="clients sending a long prompt and leaving during its prefill"
+    )
+    parser.add_argument(
+        "--leaver-words",
+        type=int,
+        default=2500,
+        help="words of a leaver's prompt (more than a prefill chunk's 2,048 tokens)",
+    )
     parser.add_argument("--requests", type=int, default=2, help="requests per normal client in each phase")
-    parser.add_argument("--timeout", type=float, default=120.0, help="seconds a normal request may take before it counts as timed out")
+    parser.add_argument(
+        "--timeout", type=float, default=120.0, help="seconds a normal request may take before it counts as timed out"
+    )
     parser.add_argument("--max-tokens", type=int, default=32, help="new tokens of a normal request")
-    parser.add_argument("--duration", type=float, default=40.0, help="seconds the load runs at least (the slow clients' 408s come at 30 s)")
-    parser.add_argument("--ramp", type=float, default=5.0, help="seconds between starting the load and the normal clients")
-    parser.add_argument("--prompt-cache-mb", type=float, default=1024, help="the server's --prompt-cache-mb (its bound, checked at the end)")
+    parser.add_argument(
+        "--duration",
+        type=float,
+        default=40.0,
+        help="seconds the load runs at least (the slow clients' 408s come at 30 s)",
+    )
+    parser.add_argument(
+        "--ramp", type=float, default=5.0, help="seconds between starting the load and the normal clients"
+    )
+    parser.add_argument(
+        "--prompt-cache-mb",
+        type=float,
+        default=1024,
+        help="the server's --prompt-cache-mb (its bound, checked at the end)",
+    )
     parser.add_argument("--read-timeout", type=float, help="the server's --read-timeout (default: its own, 30 s)")
     parser.add_argument("--prefill-share", type=float, help="the server's --prefill-share (default: its own, 0.2)")
     parser.add_argument("--json")
@@ -280,15 +345,28 @@ def main() -> None:
     allow_open_files(args.idle + args.slow + args.leavers + 256)
     blas = next((p for p in OPENBLAS_PATHS if os.path.exists(p)), None)
     env = dict(os.environ, PYTHONPATH=ROOT, **({"LD_PRELOAD": blas} if blas else {}))
-    command = [sys.executable, "-m", "redrafter_mlx.cli", "serve", "--no-access-log", "--prompt-cache-mb", str(args.prompt_cache_mb)]
+    command = [
+        sys.executable,
+        "-m",
+        "redrafter_mlx.cli",
+        "serve",
+        "--no-access-log",
+        "--prompt-cache-mb",
+        str(args.prompt_cache_mb),
+    ]
     command += ["--model", args.model] if args.model else []
     command += ["--read-timeout", str(args.read_timeout)] if args.read_timeout else []
     command += ["--prefill-share", str(args.prefill_share)] if args.prefill_share else []
     needed = 2 * CLIENTS * args.requests
     if needed > len(THINGS):
-        sys.exit(f"--requests {args.requests}: two phases of {CLIENTS} clients need {needed} prompts; {len(THINGS)} are written here")
+        sys.exit(
+            f"--requests {args.requests}: two phases of {CLIENTS} clients need {needed} prompts; {len(THINGS)} are written here"
+        )
     prompts = [f"In one sentence, what is {thing}?" for thing in THINGS]
-    alone_prompts, loaded_prompts = prompts[: needed // 2], prompts[needed // 2 : needed]  # each phase its own (the answer store)
+    alone_prompts, loaded_prompts = (
+        prompts[: needed // 2],
+        prompts[needed // 2 : needed],
+    )  # each phase its own (the answer store)
 
     log = tempfile.NamedTemporaryFile("w", prefix="server-stress-", suffix=".log", delete=False)
     process, url, port = start(command, env, log)
@@ -300,7 +378,9 @@ def main() -> None:
         print(f"alone: median latency {alone['median_latency_s']:.2f} s over {alone['answered']} requests", flush=True)
 
         stop, results = multiprocessing.Event(), multiprocessing.Queue()
-        attack = multiprocessing.Process(target=run_load, args=(port, args.idle, args.slow, args.leavers, args.leaver_words, stop, results))
+        attack = multiprocessing.Process(
+            target=run_load, args=(port, args.idle, args.slow, args.leavers, args.leaver_words, stop, results)
+        )
         peak = {"rss_mb": before["rss_mb"], "fds": before["fds"], "connections_open": 0}
         sampling = threading.Event()
 
@@ -309,7 +389,9 @@ def main() -> None:
                 peak["rss_mb"] = max(peak["rss_mb"] or 0, resident_mb(pid) or 0)
                 peak["fds"] = max(peak["fds"] or 0, open_fds(pid) or 0)
                 try:
-                    peak["connections_open"] = max(peak["connections_open"], metrics(url).get(("connections_open", ""), 0))
+                    peak["connections_open"] = max(
+                        peak["connections_open"], metrics(url).get(("connections_open", ""), 0)
+                    )
                 except httpx.HTTPError:
                     pass
                 sampling.wait(1.0)
@@ -320,8 +402,11 @@ def main() -> None:
         sampler.start()
         time.sleep(args.ramp)
         loaded = normal_clients(url, loaded_prompts, args.max_tokens, args.timeout)
-        print(f"under load: median latency {loaded['median_latency_s']:.2f} s over {loaded['answered']} requests "
-              f"({loaded['timed_out']} timed out at {args.timeout:g} s)", flush=True)
+        print(
+            f"under load: median latency {loaded['median_latency_s']:.2f} s over {loaded['answered']} requests "
+            f"({loaded['timed_out']} timed out at {args.timeout:g} s)",
+            flush=True,
+        )
         time.sleep(max(0.0, args.duration - (time.monotonic() - tic)))
         stop.set()
         load_results = results.get(timeout=120)
@@ -337,7 +422,11 @@ def main() -> None:
         idle_after_s = time.monotonic() - settle
         time.sleep(2.0)  # the load's connections closed
         rows = metrics(url)
-        after = {"rss_mb": resident_mb(pid), "fds": open_fds(pid), "connections_open": rows.get(("connections_open", ""), None)}
+        after = {
+            "rss_mb": resident_mb(pid),
+            "fds": open_fds(pid),
+            "connections_open": rows.get(("connections_open", ""), None),
+        }
     finally:
         process.send_signal(signal.SIGINT)
         try:
@@ -345,14 +434,31 @@ def main() -> None:
         except subprocess.TimeoutExpired:
             process.kill()
 
-    ratio = loaded["median_latency_s"] / alone["median_latency_s"] if alone["median_latency_s"] and loaded["median_latency_s"] else None
+    ratio = (
+        loaded["median_latency_s"] / alone["median_latency_s"]
+        if alone["median_latency_s"] and loaded["median_latency_s"]
+        else None
+    )
     cache_bytes = rows.get(("prompt_cache_bytes", ""), 0)
-    errors_seen = alone["errors_5xx"] + loaded["errors_5xx"] + load_results["idle_5xx"] + load_results["slow_5xx"] + load_results["leaver_5xx"]
+    errors_seen = (
+        alone["errors_5xx"]
+        + loaded["errors_5xx"]
+        + load_results["idle_5xx"]
+        + load_results["slow_5xx"]
+        + load_results["leaver_5xx"]
+    )
     summary = {
         "command": " ".join(sys.argv),
         "machine": f"{platform.machine()} {platform.system()}, {os.cpu_count()} CPUs",
-        "load": {"idle": args.idle, "slow": args.slow, "leavers": args.leavers, "leaver_words": args.leaver_words, "duration_s": args.duration,
-                 "read_timeout_s": args.read_timeout or 30.0, "prefill_share": args.prefill_share or 0.2},
+        "load": {
+            "idle": args.idle,
+            "slow": args.slow,
+            "leavers": args.leavers,
+            "leaver_words": args.leaver_words,
+            "duration_s": args.duration,
+            "read_timeout_s": args.read_timeout or 30.0,
+            "prefill_share": args.prefill_share or 0.2,
+        },
         "alone": alone,
         "under_load": loaded,
         "latency_ratio": ratio,
@@ -367,12 +473,18 @@ def main() -> None:
         "server_log": log.name,
     }
     freed = health["running"] == 0 and health["waiting"] == 0
-    print(f"median latency under load / alone: {ratio:.2f}x (goal <= 1.2x); 5xx seen {errors_seen}, counted by the server "
-          f"{summary['errors_5xx_server']} (goal 0)")
-    print(f"every abandoned request freed: {freed} ({idle_after_s:.1f} s after the load stopped); prompt cache {cache_bytes / 2**20:.1f} MB "
-          f"of {args.prompt_cache_mb:g} MB")
-    print(f"server memory {before['rss_mb']:.0f} MB before, {peak['rss_mb']:.0f} MB at peak, {after['rss_mb']:.0f} MB after; "
-          f"open descriptors {before['fds']}, {peak['fds']}, {after['fds']}; connections open at peak {peak['connections_open']:.0f}")
+    print(
+        f"median latency under load / alone: {ratio:.2f}x (goal <= 1.2x); 5xx seen {errors_seen}, counted by the server "
+        f"{summary['errors_5xx_server']} (goal 0)"
+    )
+    print(
+        f"every abandoned request freed: {freed} ({idle_after_s:.1f} s after the load stopped); prompt cache {cache_bytes / 2**20:.1f} MB "
+        f"of {args.prompt_cache_mb:g} MB"
+    )
+    print(
+        f"server memory {before['rss_mb']:.0f} MB before, {peak['rss_mb']:.0f} MB at peak, {after['rss_mb']:.0f} MB after; "
+        f"open descriptors {before['fds']}, {peak['fds']}, {after['fds']}; connections open at peak {peak['connections_open']:.0f}"
+    )
     print(f"load: {json.dumps(load_results)}")
     if args.json:
         with open(args.json, "w") as f:

@@ -63,7 +63,9 @@ def export(model, folder: Path) -> str:
 
 def start(command: list, env: dict) -> tuple:
     port = free_port()
-    process = subprocess.Popen(command + ["--port", str(port)], cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    process = subprocess.Popen(
+        command + ["--port", str(port)], cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     url = f"http://127.0.0.1:{port}"
     while True:
         try:
@@ -88,7 +90,12 @@ def stop(servers: dict) -> None:
 def level(url: str, prompts: list, clients: int, max_tokens: int) -> dict:
     def one(prompt):
         tic = time.perf_counter()
-        body = {"model": "default_model", "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "temperature": 0}
+        body = {
+            "model": "default_model",
+            "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": max_tokens,
+            "temperature": 0,
+        }
         response = httpx.post(url + "/v1/chat/completions", json=body, timeout=3600).json()
         if "usage" not in response:
             sys.exit(f"{url} answered {json.dumps(response)[:500]}")
@@ -116,15 +123,23 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=12)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--clients", default="1,4,8")
-    parser.add_argument("--repeats", type=int, default=2, help="times every level is measured, each time on servers started afresh")
+    parser.add_argument(
+        "--repeats", type=int, default=2, help="times every level is measured, each time on servers started afresh"
+    )
     parser.add_argument("--model", help="model to serve (default: the embedded one)")
-    parser.add_argument("--folder", default=os.path.join(tempfile.gettempdir(), "redrafter-bench-model"), help="where the float32 mlx-lm folder is saved")
+    parser.add_argument(
+        "--folder",
+        default=os.path.join(tempfile.gettempdir(), "redrafter-bench-model"),
+        help="where the float32 mlx-lm folder is saved",
+    )
     parser.add_argument("--json")
     args = parser.parse_args()
     levels = [int(c) for c in args.clients.split(",")]
     texts = [p if isinstance(p, str) else p[-1]["content"] for p in read_prompts(args.prompts)]
     if len(texts) < args.requests * len(levels):
-        sys.exit(f"{args.prompts} holds {len(texts)} prompts; {len(levels)} levels of {args.requests} need {args.requests * len(levels)}")
+        sys.exit(
+            f"{args.prompts} holds {len(texts)} prompts; {len(levels)} levels of {args.requests} need {args.requests * len(levels)}"
+        )
     own = {clients: texts[i * args.requests : (i + 1) * args.requests] for i, clients in enumerate(levels)}
     folder = export(args.model, Path(args.folder))
     blas = next((p for p in OPENBLAS_PATHS if os.path.exists(p)), None)
@@ -153,8 +168,12 @@ def main() -> None:
             row[f"median_latency_s_{name}"] = statistics.median(x["median_latency_s"] for x in results)
         row["tokens_per_step_redrafter"] = statistics.median(x["tokens_per_step"] for x in runs[clients]["redrafter"])
         row["ratio"] = row["tokens_per_s_redrafter"] / row["tokens_per_s_mlx_lm"]
-        row["ratio_runs"] = [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(runs[clients]["redrafter"], runs[clients]["mlx_lm"])]
-        row["same_text"] = all(a["texts"] == b["texts"] for a, b in zip(runs[clients]["redrafter"], runs[clients]["mlx_lm"]))
+        row["ratio_runs"] = [
+            a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(runs[clients]["redrafter"], runs[clients]["mlx_lm"])
+        ]
+        row["same_text"] = all(
+            a["texts"] == b["texts"] for a, b in zip(runs[clients]["redrafter"], runs[clients]["mlx_lm"])
+        )
         rows.append(row)
         print(
             f"{clients} clients: redrafter-mlx {row['tokens_per_s_redrafter']:.1f} tokens/s (median latency {row['median_latency_s_redrafter']:.1f} s, "
@@ -164,8 +183,11 @@ def main() -> None:
             flush=True,
         )
     if args.json:
-        summary = {"command": " ".join(sys.argv), "machine": f"{platform.machine()} {platform.system()}, float32 on the CPU unless Metal, OpenBLAS for both",
-                   "levels": rows}
+        summary = {
+            "command": " ".join(sys.argv),
+            "machine": f"{platform.machine()} {platform.system()}, float32 on the CPU unless Metal, OpenBLAS for both",
+            "levels": rows,
+        }
         with open(args.json, "w") as f:
             f.write(json.dumps(summary, indent=1) + "\n")
 

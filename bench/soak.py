@@ -38,9 +38,26 @@ from server_throughput import start  # noqa: E402
 
 from redrafter_mlx.serving.prompts import read_prompts  # noqa: E402
 
-TOOL = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
-                                         "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
-KINDS = ("chat", "chat_stream", "tools", "completion", "anthropic", "anthropic_stream", "responses", "responses_stream", "long", "dropped")
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+KINDS = (
+    "chat",
+    "chat_stream",
+    "tools",
+    "completion",
+    "anthropic",
+    "anthropic_stream",
+    "responses",
+    "responses_stream",
+    "long",
+    "dropped",
+)
 
 
 def resident_bytes(pid: int) -> int:
@@ -59,25 +76,53 @@ def request(kind: str, prompt: str, number: int, max_tokens: int) -> tuple[str, 
     """(path, body, streamed) of one request of ``kind``."""
     user = {"role": "user", "content": prompt}
     if kind in ("chat", "chat_stream", "dropped"):
-        return "/v1/chat/completions", {"messages": [user], "max_tokens": max_tokens, "stream": kind != "chat"}, kind != "chat"
+        return (
+            "/v1/chat/completions",
+            {"messages": [user], "max_tokens": max_tokens, "stream": kind != "chat"},
+            kind != "chat",
+        )
     if kind == "tools":
-        call = {"id": f"call_{number}", "type": "function", "function": {"name": "get_weather", "arguments": json.dumps({"city": "Paris"})}}
-        messages = [user, {"role": "assistant", "content": None, "tool_calls": [call]},
-                    {"role": "tool", "tool_call_id": call["id"], "content": "sunny, 21 C"}]
+        call = {
+            "id": f"call_{number}",
+            "type": "function",
+            "function": {"name": "get_weather", "arguments": json.dumps({"city": "Paris"})},
+        }
+        messages = [
+            user,
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": call["id"], "content": "sunny, 21 C"},
+        ]
         return "/v1/chat/completions", {"messages": messages, "tools": [TOOL], "max_tokens": max_tokens}, False
     if kind == "completion":
         return "/v1/completions", {"prompt": prompt, "max_tokens": max_tokens}, False
     if kind.startswith("anthropic"):
-        body = {"model": "any", "system": "Answer briefly.", "messages": [user], "max_tokens": max_tokens, "stream": kind.endswith("stream")}
+        body = {
+            "model": "any",
+            "system": "Answer briefly.",
+            "messages": [user],
+            "max_tokens": max_tokens,
+            "stream": kind.endswith("stream"),
+        }
         return "/v1/messages", body, body["stream"]
     if kind.startswith("responses"):
-        body = {"model": "any", "input": [{"role": "developer", "content": [{"type": "input_text", "text": "Answer briefly."}]},
-                                          {"role": "user", "content": [{"type": "input_text", "text": prompt}]}],
-                "max_output_tokens": max_tokens, "store": False, "stream": kind.endswith("stream")}
+        body = {
+            "model": "any",
+            "input": [
+                {"role": "developer", "content": [{"type": "input_text", "text": "Answer briefly."}]},
+                {"role": "user", "content": [{"type": "input_text", "text": prompt}]},
+            ],
+            "max_output_tokens": max_tokens,
+            "store": False,
+            "stream": kind.endswith("stream"),
+        }
         return "/v1/responses", body, body["stream"]
     if kind == "long":
         text = long_text(number, 500)
-        return "/v1/chat/completions", {"messages": [{"role": "user", "content": text + "\n\nWhat does this code do?"}], "max_tokens": 16}, False
+        return (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": text + "\n\nWhat does this code do?"}], "max_tokens": 16},
+            False,
+        )
     raise ValueError(kind)
 
 
@@ -98,7 +143,13 @@ def one(client: httpx.Client, url: str, kind: str, prompt: str, number: int, max
                         break  # leaving the block closes the connection mid-answer
                 ok = status == 200 and events > 0
     except httpx.HTTPError as e:
-        return {"kind": kind, "ok": False, "status": None, "error": f"{type(e).__name__}: {e}", "seconds": time.perf_counter() - tic}
+        return {
+            "kind": kind,
+            "ok": False,
+            "status": None,
+            "error": f"{type(e).__name__}: {e}",
+            "seconds": time.perf_counter() - tic,
+        }
     return {"kind": kind, "ok": ok, "status": status, "seconds": time.perf_counter() - tic}
 
 
@@ -116,7 +167,9 @@ def main() -> None:
     prompts = [p for p in read_prompts(args.prompts) if isinstance(p, str)]
     cache = tempfile.mkdtemp(prefix="soak-")
     env = dict(os.environ, PYTHONPATH=ROOT, REDRAFTER_MLX_CACHE=cache)
-    command = [sys.executable, "-m", "redrafter_mlx.cli", "serve", "--no-access-log"] + (["--model", args.model] if args.model else [])
+    command = [sys.executable, "-m", "redrafter_mlx.cli", "serve", "--no-access-log"] + (
+        ["--model", args.model] if args.model else []
+    )
     command += args.serve_args.split()
     process, url = start(command, env)
     samples, done = [], threading.Event()
@@ -126,7 +179,13 @@ def main() -> None:
     def sample():
         tic = time.perf_counter()
         while not done.is_set():
-            samples.append({"seconds": round(time.perf_counter() - tic, 1), "requests": completed[0], "rss": resident_bytes(process.pid)})
+            samples.append(
+                {
+                    "seconds": round(time.perf_counter() - tic, 1),
+                    "requests": completed[0],
+                    "rss": resident_bytes(process.pid),
+                }
+            )
             done.wait(1.0)
 
     sampler = threading.Thread(target=sample, daemon=True)
@@ -143,7 +202,10 @@ def main() -> None:
                     results.append(one(http, url, kind, prompts[number % len(prompts)], number, args.max_tokens))
                     completed[0] += 1
                     if completed[0] % 100 == 0:
-                        print(f"{completed[0]} requests, {resident_bytes(process.pid) / 2**20:.0f} MiB resident", flush=True)
+                        print(
+                            f"{completed[0]} requests, {resident_bytes(process.pid) / 2**20:.0f} MiB resident",
+                            flush=True,
+                        )
 
         tic = time.perf_counter()
         with ThreadPoolExecutor(args.clients) as pool:
@@ -162,12 +224,27 @@ def main() -> None:
     middle, last = half[0], half[-1]
     summary = {
         "command": " ".join(["python3", "bench/soak.py"] + sys.argv[1:]),
-        "requests": len(results), "failures": len(failures), "failed": failures[:20], "seconds": round(seconds, 1),
-        "by_kind": {kind: {"count": sum(r["kind"] == kind for r in results), "failures": sum(r["kind"] == kind and not r["ok"] for r in results),
-                           "median_seconds": round(statistics.median([r["seconds"] for r in results if r["kind"] == kind] or [0]), 3)}
-                    for kind in KINDS},
-        "rss_mib": {"start": round(samples[0]["rss"] / 2**20), "at_half": round(middle / 2**20), "end": round(last / 2**20),
-                    "second_half_max": round(max(half) / 2**20), "second_half_min": round(min(half) / 2**20)},
+        "requests": len(results),
+        "failures": len(failures),
+        "failed": failures[:20],
+        "seconds": round(seconds, 1),
+        "by_kind": {
+            kind: {
+                "count": sum(r["kind"] == kind for r in results),
+                "failures": sum(r["kind"] == kind and not r["ok"] for r in results),
+                "median_seconds": round(
+                    statistics.median([r["seconds"] for r in results if r["kind"] == kind] or [0]), 3
+                ),
+            }
+            for kind in KINDS
+        },
+        "rss_mib": {
+            "start": round(samples[0]["rss"] / 2**20),
+            "at_half": round(middle / 2**20),
+            "end": round(last / 2**20),
+            "second_half_max": round(max(half) / 2**20),
+            "second_half_min": round(min(half) / 2**20),
+        },
         "second_half_growth": round(last / middle - 1, 4),
         "second_half_spread": round(max(half) / min(half) - 1, 4),
         "health_at_end": health,
@@ -177,7 +254,12 @@ def main() -> None:
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         samples = summary.pop("samples")  # a line each
-        text = json.dumps(summary, indent=1)[:-2] + ',\n "samples": [\n' + ",\n".join("  " + json.dumps(s) for s in samples) + "\n ]\n}\n"
+        text = (
+            json.dumps(summary, indent=1)[:-2]
+            + ',\n "samples": [\n'
+            + ",\n".join("  " + json.dumps(s) for s in samples)
+            + "\n ]\n}\n"
+        )
         Path(args.json).write_text(text)
 
 

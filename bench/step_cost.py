@@ -87,24 +87,54 @@ def main():
         one = pass_time(redrafter.base.model, prompt, args.max_nodes + 1, args.repeats)
         # The steps' caches hold the prompt and what was generated so far: the
         # same pass behind the prompt and half the answer, for reference.
-        midway = pass_time(redrafter.base.model, prompt + generated[: len(generated) // 2], args.max_nodes + 1, args.repeats)
+        midway = pass_time(
+            redrafter.base.model, prompt + generated[: len(generated) // 2], args.max_nodes + 1, args.repeats
+        )
         step = statistics.mean(steps)
-        rows.append({"prompt": i, "prompt_tokens": len(prompt), "steps": len(steps), "step_ms": 1000 * step, "pass_ms": 1000 * one, "ratio": step / one,
-                     "midway_pass_ms": 1000 * midway, "midway_ratio": step / midway})
-        print(f"prompt {i}: {len(steps)} steps, step {1000 * step:.2f} ms, mlx-lm pass over {args.max_nodes + 1} tokens {1000 * one:.2f} ms, "
-              f"ratio {step / one:.3f} (behind half the answer too: {1000 * midway:.2f} ms, {step / midway:.3f})", flush=True)
+        rows.append(
+            {
+                "prompt": i,
+                "prompt_tokens": len(prompt),
+                "steps": len(steps),
+                "step_ms": 1000 * step,
+                "pass_ms": 1000 * one,
+                "ratio": step / one,
+                "midway_pass_ms": 1000 * midway,
+                "midway_ratio": step / midway,
+            }
+        )
+        print(
+            f"prompt {i}: {len(steps)} steps, step {1000 * step:.2f} ms, mlx-lm pass over {args.max_nodes + 1} tokens {1000 * one:.2f} ms, "
+            f"ratio {step / one:.3f} (behind half the answer too: {1000 * midway:.2f} ms, {step / midway:.3f})",
+            flush=True,
+        )
     profile = StepProfile()
     for prompt in prompts:
         step_times(redrafter, prompt, args.max_nodes, args.max_tokens, eos, profile)
     phases = {phase: 1000 * seconds / profile.steps for phase, seconds in profile.seconds.items() if phase != "prefill"}
     ratios, midway = [r["ratio"] for r in rows], [r["midway_ratio"] for r in rows]
-    print(f"step / pass: median {statistics.median(ratios):.3f} (min {min(ratios):.3f}, max {max(ratios):.3f}) over {len(rows)} prompts")
-    print(f"step / pass behind half the answer: median {statistics.median(midway):.3f} (min {min(midway):.3f}, max {max(midway):.3f})")
+    print(
+        f"step / pass: median {statistics.median(ratios):.3f} (min {min(ratios):.3f}, max {max(ratios):.3f}) over {len(rows)} prompts"
+    )
+    print(
+        f"step / pass behind half the answer: median {statistics.median(midway):.3f} (min {min(midway):.3f}, max {max(midway):.3f})"
+    )
     print("profiled ms per step: " + ", ".join(f"{phase} {ms:.2f}" for phase, ms in phases.items()))
     if args.json:
-        Path(args.json).write_text(json.dumps({"command": " ".join(sys.argv), "settings": vars(args), "prompts": rows,
-                                               "median_ratio": statistics.median(ratios),
-                                               "median_midway_ratio": statistics.median(midway), "profile_ms_per_step": phases}, indent=1) + "\n")
+        Path(args.json).write_text(
+            json.dumps(
+                {
+                    "command": " ".join(sys.argv),
+                    "settings": vars(args),
+                    "prompts": rows,
+                    "median_ratio": statistics.median(ratios),
+                    "median_midway_ratio": statistics.median(midway),
+                    "profile_ms_per_step": phases,
+                },
+                indent=1,
+            )
+            + "\n"
+        )
 
 
 if __name__ == "__main__":

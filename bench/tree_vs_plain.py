@@ -39,7 +39,16 @@ def main():
     print(f"RNN 4x5 beam search: {1000 * draft:.2f} ms")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"environment": environment(redrafter), "batch_size": args.batch_size, "rows": rows, "draft_seconds": draft}, f, indent=2)
+            json.dump(
+                {
+                    "environment": environment(redrafter),
+                    "batch_size": args.batch_size,
+                    "rows": rows,
+                    "draft_seconds": draft,
+                },
+                f,
+                indent=2,
+            )
 
 
 if __name__ == "__main__":

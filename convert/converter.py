@@ -84,9 +84,7 @@ def convert_checkpoint(
     base = _Base(base_model)
     values, inferred = _complete_config(given, tensors, base)
     if inferred:
-        notes.append(
-            "inferred from the tensors: " + ", ".join(f"{k}={v} ({why})" for k, (v, why) in inferred.items())
-        )
+        notes.append("inferred from the tensors: " + ", ".join(f"{k}={v} ({why})" for k, (v, why) in inferred.items()))
     args = DrafterArgs(**values)
     _check_tensors(args, tensors, source_of)
     if base_model is not None:
@@ -176,8 +174,11 @@ def _complete_config(given: dict, tensors: dict, base: _Base) -> tuple[dict, dic
         inferred[field] = (value, why)
 
     if "rnn" not in values:
-        infer("rnn", "rnn_w.weight" in tensors or "rnn_u.weight" in tensors,
-              "rnn_w present" if "rnn_w.weight" in tensors else "no rnn_w/rnn_u tensors")
+        infer(
+            "rnn",
+            "rnn_w.weight" in tensors or "rnn_u.weight" in tensors,
+            "rnn_w present" if "rnn_w.weight" in tensors else "no rnn_w/rnn_u tensors",
+        )
     if "num_draft_layers" not in values:
         blocks = {int(m.group(1)) for n in tensors if (m := re.match(r"^lm_head\.(\d+)\.linear\.", n))}
         heads = {int(m.group(1)) for n in tensors if (m := re.match(r"^lm_head\.(\d+)\.weight$", n))}
@@ -258,9 +259,7 @@ def _check_tensors(args: DrafterArgs, tensors: dict, source_of: dict) -> None:
     problems = []
     missing = [n for n in expected if n not in tensors]
     if missing:
-        problems.append(
-            "missing tensors: " + ", ".join(f"{n} {expected[n][0]}" for n in missing)
-        )
+        problems.append("missing tensors: " + ", ".join(f"{n} {expected[n][0]}" for n in missing))
     extra = [n for n in tensors if n not in expected]
     if extra:
         listed = ", ".join(f"{label(n)} {tuple(tensors[n].shape)}" for n in extra[:10])
@@ -277,9 +276,7 @@ def _check_tensors(args: DrafterArgs, tensors: dict, source_of: dict) -> None:
     for name, (shape, why) in expected.items():
         got = tuple(tensors[name].shape)
         if got != shape:
-            raise UserError(
-                f"tensor {label(name)} has shape {got}, expected {shape} from {why} ({config_line})"
-            )
+            raise UserError(f"tensor {label(name)} has shape {got}, expected {shape} from {why} ({config_line})")
         is_float = mx.issubdtype(tensors[name].dtype, mx.floating)
         if name == "draft_token_ids":
             if is_float or tensors[name].dtype == mx.bool_:

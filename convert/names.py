@@ -92,7 +92,7 @@ def _strip(name: str) -> tuple[str, bool]:
         changed = False
         for prefix in PREFIXES:
             if name.startswith(prefix):
-                name = name[len(prefix):]
+                name = name[len(prefix) :]
                 saw_drafter = saw_drafter or prefix in ("drafter.", "redrafter.")
                 changed = True
     return name, saw_drafter

@@ -34,9 +34,19 @@ SHARD_PATTERNS = (
 NESTED_KEYS = ("state_dict", "model_state_dict", "model", "module", "drafter")
 
 _SAFETENSORS_DTYPES = {
-    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": np.uint16,
-    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8,
-    "U64": np.uint64, "U32": np.uint32, "U16": np.uint16, "U8": np.uint8, "BOOL": np.bool_,
+    "F64": np.float64,
+    "F32": np.float32,
+    "F16": np.float16,
+    "BF16": np.uint16,
+    "I64": np.int64,
+    "I32": np.int32,
+    "I16": np.int16,
+    "I8": np.int8,
+    "U64": np.uint64,
+    "U32": np.uint32,
+    "U16": np.uint16,
+    "U8": np.uint8,
+    "BOOL": np.bool_,
 }
 
 
@@ -92,11 +102,7 @@ def _read_folder(folder: Path, checkpoint: Checkpoint) -> None:
             checkpoint.add(read_file(folder / single, checkpoint.notes), folder / single)
             return
     for pattern in SHARD_PATTERNS:
-        shards = sorted(
-            (int(m.group(1)), int(m.group(2)), p)
-            for p in folder.iterdir()
-            if (m := pattern.match(p.name))
-        )
+        shards = sorted((int(m.group(1)), int(m.group(2)), p) for p in folder.iterdir() if (m := pattern.match(p.name)))
         if shards:
             total = shards[0][1]
             numbers = [n for n, _, _ in shards]
@@ -178,8 +184,10 @@ def read_safetensors(path: Path) -> dict:
         np_dtype = np.dtype(_SAFETENSORS_DTYPES[dtype])
         count = int(np.prod(shape)) if shape else 1
         if not (0 <= begin <= end <= len(body)) or end - begin != count * np_dtype.itemsize:
-            raise bad(f"tensor {name!r} ({dtype} {tuple(shape)}) has data offsets {begin}..{end} "
-                      f"that do not fit its size or the file")
+            raise bad(
+                f"tensor {name!r} ({dtype} {tuple(shape)}) has data offsets {begin}..{end} "
+                f"that do not fit its size or the file"
+            )
         array = np.frombuffer(body[begin:end], dtype=np_dtype).reshape(shape).copy()
         if dtype == "BF16":
             tensors[name] = mx.array(array).view(mx.bfloat16)
@@ -222,6 +230,7 @@ def read_pickle(path: Path, notes: list) -> dict:
 def _state_dict_from(obj, path: Path, torch, notes: list) -> dict:
     """The tensors of a loaded pickle: a state dict, or one nested under a
     usual key (``{"state_dict": ..., "epoch": 3}``)."""
+
     def is_state_dict(d):
         return isinstance(d, dict) and d and all(isinstance(v, torch.Tensor) for v in d.values())
 
@@ -246,8 +255,14 @@ def _state_dict_from(obj, path: Path, torch, notes: list) -> dict:
             tensors[name] = mx.array(value.float().numpy()).astype(
                 mx.bfloat16 if value.dtype == torch.bfloat16 else mx.float32
             )
-        elif value.is_floating_point() or value.dtype in (torch.int64, torch.int32, torch.int16, torch.int8,
-                                                           torch.uint8, torch.bool):
+        elif value.is_floating_point() or value.dtype in (
+            torch.int64,
+            torch.int32,
+            torch.int16,
+            torch.int8,
+            torch.uint8,
+            torch.bool,
+        ):
             tensors[name] = mx.array(value.numpy())
         else:
             raise UserError(f"{path}: tensor {name!r} has dtype {value.dtype}, which cannot be converted")

@@ -10,9 +10,7 @@ _preload_openblas()
 # maps them inside it. Extending the package path makes `redrafter_mlx.cli` and
 # `redrafter_mlx.convert` resolve the same way in both.
 _root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
-if not _os.path.exists(_os.path.join(__path__[0], "cli.py")) and _os.path.exists(
-    _os.path.join(_root, "cli.py")
-):
+if not _os.path.exists(_os.path.join(__path__[0], "cli.py")) and _os.path.exists(_os.path.join(_root, "cli.py")):
     __path__.append(_root)
 
 __version__ = "0.1.0"

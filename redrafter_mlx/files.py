@@ -63,8 +63,11 @@ def failure(path: Path, error: BaseException, needed: Optional[int] = None, keep
     free, text = free_bytes(path.parent), str(error).lower()
     # Some writers (MLX's, NumPy's) say only that a write fell short: one
     # that needs more than is free is taken for a full disk.
-    full = (getattr(error, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or "no space" in text
-            or (needed is not None and needed > free))
+    full = (
+        getattr(error, "errno", None) in (errno.ENOSPC, errno.EDQUOT)
+        or "no space" in text
+        or (needed is not None and needed > free)
+    )
     if full:
         reason = "the disk is full"
         if needed is not None:
@@ -120,7 +123,10 @@ def replacing(path, needed: Optional[int] = None, keeps: str = "") -> Iterator[P
 
 def _is_io_error(error: RuntimeError) -> bool:
     text = str(error).lower()
-    return any(word in text for word in ("no space", "cannot open", "failed to open", "could not open", "write", "permission", "read-only"))
+    return any(
+        word in text
+        for word in ("no space", "cannot open", "failed to open", "could not open", "write", "permission", "read-only")
+    )
 
 
 def write_text(path, text: str, keeps: str = "") -> None:

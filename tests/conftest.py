@@ -38,7 +38,9 @@ HIDDEN = 64
 # model after 200 tokens): in-process tests size their trees by it, so what
 # they verify does not depend on the machine that runs them. test_cost
 # measures real curves; command-line tests, in their own processes, too.
-CPU_CURVE = CostCurve([1, 2, 3, 4, 6, 8, 12, 16, 32], [1.0, 1.10, 1.24, 1.33, 1.41, 1.46, 2.0, 2.0, 2.9], draft_seconds=0.1)
+CPU_CURVE = CostCurve(
+    [1, 2, 3, 4, 6, 8, 12, 16, 32], [1.0, 1.10, 1.24, 1.33, 1.41, 1.46, 2.0, 2.0, 2.9], draft_seconds=0.1
+)
 
 
 @pytest.fixture(autouse=True)
@@ -69,9 +71,7 @@ def tiny_model(kind: str = "llama", seed: int = 0, quantize: bool = False, vocab
     elif kind == "gemma3":
         args = dict(common, num_hidden_layers=3, head_dim=16)
         model = gemma3_text.Model(
-            gemma3_text.ModelArgs(
-                model_type="gemma3_text", sliding_window=8, sliding_window_pattern=3, **args
-            )
+            gemma3_text.ModelArgs(model_type="gemma3_text", sliding_window=8, sliding_window_pattern=3, **args)
         )
     elif kind in HYBRIDS or kind in EXPERTS:
         model = tiny_hybrid(kind, common)
@@ -90,33 +90,85 @@ EXPERTS = ["qwen3_moe", "mixtral"]  # mixtures of experts
 def tiny_hybrid(kind: str, common: dict) -> nn.Module:
     """The hybrid and expert architectures, each with both kinds of layer
     (4 layers at most, hidden size 64)."""
-    linear = dict(linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
-                  linear_conv_kernel_dim=4, head_dim=16, full_attention_interval=2)
-    experts = dict(num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[], moe_intermediate_size=32)
+    linear = dict(
+        linear_num_value_heads=4,
+        linear_num_key_heads=2,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_conv_kernel_dim=4,
+        head_dim=16,
+        full_attention_interval=2,
+    )
+    experts = dict(
+        num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[], moe_intermediate_size=32
+    )
     if kind == "qwen3_next":  # Gated DeltaNet and attention, experts with a shared one
         args = dict(common, num_hidden_layers=4, **linear, **experts)
-        return qwen3_next.Model(qwen3_next.ModelArgs(
-            model_type=kind, shared_expert_intermediate_size=64, rope_theta=10000.0, partial_rotary_factor=0.5, **args))
+        return qwen3_next.Model(
+            qwen3_next.ModelArgs(
+                model_type=kind,
+                shared_expert_intermediate_size=64,
+                rope_theta=10000.0,
+                partial_rotary_factor=0.5,
+                **args,
+            )
+        )
     if kind == "qwen3_5":  # Gated DeltaNet and attention, inside a multimodal wrapper
         text = dict(common, model_type="qwen3_5_text", num_hidden_layers=4, **linear)
         return qwen3_5.Model(qwen3_5.ModelArgs(model_type=kind, text_config=text))
     if kind == "nemotron_h":  # Mamba2, attention without positions, MLP-only layers
         args = {k: v for k, v in common.items() if k not in ("num_hidden_layers", "rms_norm_eps")}
-        return nemotron_h.Model(nemotron_h.ModelArgs(
-            model_type=kind, attention_bias=False, mamba_num_heads=4, mamba_head_dim=16, mamba_proj_bias=False, ssm_state_size=16,
-            conv_kernel=4, n_groups=2, mlp_bias=False, layer_norm_epsilon=1e-5, use_bias=False, use_conv_bias=True,
-            hybrid_override_pattern=["M", "*", "-", "M"], head_dim=16, **args))
+        return nemotron_h.Model(
+            nemotron_h.ModelArgs(
+                model_type=kind,
+                attention_bias=False,
+                mamba_num_heads=4,
+                mamba_head_dim=16,
+                mamba_proj_bias=False,
+                ssm_state_size=16,
+                conv_kernel=4,
+                n_groups=2,
+                mlp_bias=False,
+                layer_norm_epsilon=1e-5,
+                use_bias=False,
+                use_conv_bias=True,
+                hybrid_override_pattern=["M", "*", "-", "M"],
+                head_dim=16,
+                **args,
+            )
+        )
     if kind == "lfm2":  # short convolutions and attention
         args = {k: v for k, v in common.items() if k not in ("num_hidden_layers", "rms_norm_eps")}
-        model = lfm2.Model(lfm2.ModelArgs(
-            model_type=kind, num_hidden_layers=3, norm_eps=1e-5, conv_bias=False, conv_L_cache=3, block_dim=HIDDEN, block_multiple_of=16,
-            block_ffn_dim_multiplier=1.0, block_auto_adjust_ff_dim=False, layer_types=["conv", "full_attention", "conv"], **args))
+        model = lfm2.Model(
+            lfm2.ModelArgs(
+                model_type=kind,
+                num_hidden_layers=3,
+                norm_eps=1e-5,
+                conv_bias=False,
+                conv_L_cache=3,
+                block_dim=HIDDEN,
+                block_multiple_of=16,
+                block_ffn_dim_multiplier=1.0,
+                block_auto_adjust_ff_dim=False,
+                layer_types=["conv", "full_attention", "conv"],
+                **args,
+            )
+        )
         # Its tied embedding at full scale makes every token predict itself.
         model.model.embed_tokens.weight = model.model.embed_tokens.weight * 0.05
         return model
     if kind == "qwen3_moe":
-        return qwen3_moe.Model(qwen3_moe.ModelArgs(
-            model_type=kind, head_dim=16, rope_theta=10000.0, tie_word_embeddings=False, norm_topk_prob=True, **experts, **common))
+        return qwen3_moe.Model(
+            qwen3_moe.ModelArgs(
+                model_type=kind,
+                head_dim=16,
+                rope_theta=10000.0,
+                tie_word_embeddings=False,
+                norm_topk_prob=True,
+                **experts,
+                **common,
+            )
+        )
     if kind == "mixtral":
         args = {k: v for k, v in common.items() if k != "max_position_embeddings"}
         return mixtral.Model(mixtral.ModelArgs(model_type=kind, num_local_experts=4, num_experts_per_tok=2, **args))
@@ -227,7 +279,12 @@ def run_cli(*args, input=None, timeout=600, env=None, cwd=ROOT):
     env = dict(os.environ, PYTHONPATH=ROOT, **(env or {}))
     return subprocess.run(
         [sys.executable, "-m", "redrafter_mlx.cli", *map(str, args)],
-        input=input, capture_output=True, text=True, timeout=timeout, cwd=cwd, env=env,
+        input=input,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=cwd,
+        env=env,
     )
 
 
@@ -245,7 +302,11 @@ def start_server(*args) -> tuple:
         port = s.getsockname()[1]
     process = subprocess.Popen(
         [sys.executable, "-m", "redrafter_mlx.cli", "serve", "--port", str(port), *map(str, args)],
-        cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=ROOT),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 300
@@ -327,7 +388,11 @@ def save_word_tokenizer(folder, vocab_size: int) -> None:
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     hf = PreTrainedTokenizerFast(
-        tokenizer_object=tok, unk_token="<unk>", bos_token="<|im_start|>", eos_token="<|im_end|>", chat_template=CHAT_TEMPLATE
+        tokenizer_object=tok,
+        unk_token="<unk>",
+        bos_token="<|im_start|>",
+        eos_token="<|im_end|>",
+        chat_template=CHAT_TEMPLATE,
     )
     hf.save_pretrained(folder)
 
@@ -375,7 +440,9 @@ def chat_model(tmp_path_factory):
     drafter.lm_head[0].linear.weight = mx.zeros_like(drafter.lm_head[0].linear.weight)
     drafter.lm_head[0].linear.bias = mx.ones_like(drafter.lm_head[0].linear.bias)
     preference = np.log(second + 1e-6).astype(np.float32)
-    drafter.lm_head[1].weight = mx.broadcast_to(mx.array(preference / (32 * float(nn.silu(mx.array(1.0)))))[:, None], (len(likely), 32))
+    drafter.lm_head[1].weight = mx.broadcast_to(
+        mx.array(preference / (32 * float(nn.silu(mx.array(1.0)))))[:, None], (len(likely), 32)
+    )
     drafter.draft_token_ids = mx.array(likely, mx.int32)
     save_drafter(drafter, str(root / "drafter"))
     draft_q = np.exp(preference - np.logaddexp.reduce(preference))
@@ -400,7 +467,7 @@ TOOL_TEMPLATE = (
     "{%- if m.role == 'tool' -%}<|im_start|> tool <tool_response> {{ m.content }} </tool_response> <|im_end|> "
     "{%- elif m.tool_calls -%}<|im_start|> assistant "
     "{%- for tool_call in m.tool_calls %}{% if tool_call.function is defined %}{% set tool_call = tool_call.function %}{% endif %}"
-    " <tool_call> {\"name\": \"{{ tool_call.name }}\", \"arguments\": {{ tool_call.arguments | tojson }} } </tool_call>{% endfor %} <|im_end|> "
+    ' <tool_call> {"name": "{{ tool_call.name }}", "arguments": {{ tool_call.arguments | tojson }} } </tool_call>{% endfor %} <|im_end|> '
     "{%- else -%}<|im_start|> {{ m.role }} {{ m.content }} <|im_end|> {% endif -%}"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{%- if messages[-1].role == 'tool' -%}<|im_start|> answer {%- else -%}<|im_start|> assistant {%- endif -%}{%- endif -%}"
@@ -408,11 +475,35 @@ TOOL_TEMPLATE = (
 # A scripted model: each word is followed by the next of its chain, whatever
 # came before (a bigram model), so its answers are known in advance.
 TOOL_CHAINS = [
-    ["assistant", "<tool_call>", '{"name":', '"get_weather",', '"arguments":', '{"city":', '"Paris"}', "}", "</tool_call>", "<|im_end|>"],
+    [
+        "assistant",
+        "<tool_call>",
+        '{"name":',
+        '"get_weather",',
+        '"arguments":',
+        '{"city":',
+        '"Paris"}',
+        "}",
+        "</tool_call>",
+        "<|im_end|>",
+    ],
     ["answer", "It", "is", "sunny.", "<|im_end|>"],
     ["loop", "again", "and", "loop"],
 ]
-TOOL_WORDS = ["<unk>", "<|im_start|>", "<|im_end|>", "user", "system", "tool", "<tool_response>", "</tool_response>", "Weather", "in", "Paris?", "get_weather"]
+TOOL_WORDS = [
+    "<unk>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "user",
+    "system",
+    "tool",
+    "<tool_response>",
+    "</tool_response>",
+    "Weather",
+    "in",
+    "Paris?",
+    "get_weather",
+]
 
 
 @pytest.fixture(scope="session")
@@ -431,8 +522,18 @@ def tool_model(tmp_path_factory):
     size = len(words)
     index = {w: i for i, w in enumerate(words)}
     follows = {index[a]: index[b] for chain in TOOL_CHAINS for a, b in zip(chain, chain[1:])}
-    args = llama_module.ModelArgs(model_type="llama", hidden_size=size, num_hidden_layers=1, intermediate_size=16, num_attention_heads=4,
-                                  num_key_value_heads=4, rms_norm_eps=1e-5, vocab_size=size, max_position_embeddings=4096, tie_word_embeddings=False)
+    args = llama_module.ModelArgs(
+        model_type="llama",
+        hidden_size=size,
+        num_hidden_layers=1,
+        intermediate_size=16,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        rms_norm_eps=1e-5,
+        vocab_size=size,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+    )
     model = llama_module.Model(args)
     layer = model.model.layers[0]
     layer.self_attn.o_proj.weight = mx.zeros_like(layer.self_attn.o_proj.weight)
@@ -448,6 +549,11 @@ def tool_model(tmp_path_factory):
     save_config(dict(vars(args)), folder / "config.json")
     tokenizer = Tokenizer(models.WordLevel(index, unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<|im_start|>", eos_token="<|im_end|>",
-                            chat_template=TOOL_TEMPLATE).save_pretrained(folder)
+    PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        unk_token="<unk>",
+        bos_token="<|im_start|>",
+        eos_token="<|im_end|>",
+        chat_template=TOOL_TEMPLATE,
+    ).save_pretrained(folder)
     return str(folder)

@@ -44,7 +44,9 @@ def test_generate_json_fields_and_greedy_parity_with_mlx_lm(smol_drafter):
     from redrafter_mlx.loading.loader import load_base_model
 
     model, tokenizer = load_base_model(None)
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": QUESTION}], tokenize=False, add_generation_prompt=True)
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": QUESTION}], tokenize=False, add_generation_prompt=True
+    )
     ids = tokenizer.encode(prompt, add_special_tokens=False)
     assert out["prompt_tokens"] == len(ids)
     expected = []
@@ -72,14 +74,28 @@ def test_default_drafter_speeds_up_without_changing_greedy_output():
     from redrafter_mlx.loading.loader import load_base_model
 
     model, tokenizer = load_base_model(None)
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True)
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True
+    )
     ids = tokenizer.encode(prompt, add_special_tokens=False)
-    expected = [t for t, _ in zip((token for token, _ in generate_step(mx.array(ids), model, max_tokens=48)), range(48))]
+    expected = [
+        t for t, _ in zip((token for token, _ in generate_step(mx.array(ids), model, max_tokens=48)), range(48))
+    ]
     assert out["tokens"] == expected[: len(out["tokens"])] and len(out["tokens"]) == 48
 
 
 def test_ignore_chat_template_encodes_like_mlx_lm(smol_drafter):
-    result = run_cli("generate", "--drafter", smol_drafter, "--prompt", "Once upon a time", "--max-tokens", 4, "--ignore-chat-template", "--json")
+    result = run_cli(
+        "generate",
+        "--drafter",
+        smol_drafter,
+        "--prompt",
+        "Once upon a time",
+        "--max-tokens",
+        4,
+        "--ignore-chat-template",
+        "--json",
+    )
     assert result.returncode == 0, result.stderr
     from redrafter_mlx.loading.loader import load_base_model
 
@@ -90,7 +106,9 @@ def test_ignore_chat_template_encodes_like_mlx_lm(smol_drafter):
 def test_prompts_file_gives_one_json_line_per_prompt_in_order(smol_drafter, tmp_path):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in ["Say hi.", QUESTION, "Count to three."]) + "\n")
-    batched = run_cli("generate", "--drafter", smol_drafter, "--prompts", prompts, "--batch-size", 3, "--max-tokens", 12, "--json")
+    batched = run_cli(
+        "generate", "--drafter", smol_drafter, "--prompts", prompts, "--batch-size", 3, "--max-tokens", 12, "--json"
+    )
     assert batched.returncode == 0, batched.stderr
     lines = [json.loads(l) for l in batched.stdout.splitlines()]
     assert len(lines) == 3 and "Paris" in lines[1]["text"]
@@ -125,7 +143,10 @@ def test_bad_drafters_and_prompts(smol_drafter, tmp_path):
     assert_clean_error(run_cli("generate", "--drafter", corrupt, "--prompt", "hi"), "cannot read drafter weights")
     other = tmp_path / "other"
     save_drafter(Drafter(DrafterArgs(vocab_size=32000, hidden_size=576, exit_dim=64)), str(other))
-    assert_clean_error(run_cli("generate", "--drafter", other, "--prompt", "hi"), "vocab_size 32000 does not match the base model's vocabulary size 49152")
+    assert_clean_error(
+        run_cli("generate", "--drafter", other, "--prompt", "hi"),
+        "vocab_size 32000 does not match the base model's vocabulary size 49152",
+    )
     long_prompt = "word " * 9000
     assert_clean_error(run_cli("generate", "--drafter", smol_drafter, "--prompt", "-", input=long_prompt), "context")
     empty = tmp_path / "empty.jsonl"
@@ -143,7 +164,21 @@ def test_distill_then_train_on_two_folders_gives_a_drafter_generate_loads(tmp_pa
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("Name a colour.", "What is 2+3?", "Say hi.")))
     for folder, temp, samples, workers in (("greedy", "0", 1, 1), ("sampled", "0.7", 2, 2), ("sampled-1", "0.7", 2, 1)):
-        result = run_cli("distill", "--prompts", prompts, "--output", tmp_path / folder, "--max-tokens", 12, "--temp", temp, "--samples", samples, "--workers", workers)
+        result = run_cli(
+            "distill",
+            "--prompts",
+            prompts,
+            "--output",
+            tmp_path / folder,
+            "--max-tokens",
+            12,
+            "--temp",
+            temp,
+            "--samples",
+            samples,
+            "--workers",
+            workers,
+        )
         assert result.returncode == 0, result.stderr
     assert "6 responses" in result.stdout
 
@@ -153,8 +188,25 @@ def test_distill_then_train_on_two_folders_gives_a_drafter_generate_loads(tmp_pa
         return {(int(data.prompt_index[i]), int(samples[i])): data.sequence(i).tolist() for i in range(len(data))}
 
     assert responses("sampled") == responses("sampled-1")  # two worker processes make the same data
-    train = ("train", "--data", tmp_path / "greedy", "--data", tmp_path / "sampled", "--output", tmp_path / "drafter",
-             "--steps", 3, "--batch-size", 8, "--exit-dim", 32, "--draft-vocab", 64, "--eval-every", 3)
+    train = (
+        "train",
+        "--data",
+        tmp_path / "greedy",
+        "--data",
+        tmp_path / "sampled",
+        "--output",
+        tmp_path / "drafter",
+        "--steps",
+        3,
+        "--batch-size",
+        8,
+        "--exit-dim",
+        32,
+        "--draft-vocab",
+        64,
+        "--eval-every",
+        3,
+    )
     result = run_cli(*train)
     assert result.returncode == 0, result.stderr
     training = json.loads((tmp_path / "drafter" / "config.json").read_text())["training"]
@@ -162,7 +214,15 @@ def test_distill_then_train_on_two_folders_gives_a_drafter_generate_loads(tmp_pa
     result = run_cli("generate", "--drafter", tmp_path / "drafter", "--prompt", "Say hi.", "--max-tokens", 8, "--json")
     assert result.returncode == 0 and result.stdout.strip(), result.stderr
     greedy_text = json.loads(result.stdout)["text"]
-    store = ("datastore", "--data", tmp_path / "greedy", "--data", tmp_path / "sampled", "--drafter", tmp_path / "drafter")
+    store = (
+        "datastore",
+        "--data",
+        tmp_path / "greedy",
+        "--data",
+        tmp_path / "sampled",
+        "--drafter",
+        tmp_path / "drafter",
+    )
     result = run_cli(*store)
     assert result.returncode == 0 and "of 6 answers" in result.stdout, result.stderr  # prompt 0's are held out
     greedy = DataFolder(tmp_path / "greedy").load()
@@ -182,7 +242,9 @@ def test_distill_then_train_on_two_folders_gives_a_drafter_generate_loads(tmp_pa
     assert_clean_error(run_cli(*train[:4], tmp_path / "greedy", *train[5:]), "given twice")
     assert_clean_error(run_cli(*train[:4], tmp_path, *train[5:]), "not a distillation data folder")
     assert_clean_error(run_cli(*train, "--freeze-head-steps", 2), "freezing the head needs a warm start")
-    assert_clean_error(run_cli(*train, "--warm-start", "--freeze-head-steps", -1), "freeze head steps must be at least 0")
+    assert_clean_error(
+        run_cli(*train, "--warm-start", "--freeze-head-steps", -1), "freeze head steps must be at least 0"
+    )
     greedy_samples = run_cli("distill", "--prompts", prompts, "--output", tmp_path / "new", "--samples", 2)
     assert_clean_error(greedy_samples, "more than one sample per prompt needs a temperature above 0")
     assert not (tmp_path / "new").exists()
@@ -192,7 +254,20 @@ def test_bench_counts_every_run_prints_a_line_per_prompt_and_saves_its_results(s
     """With no --json, the results go to a dated file in the working folder."""
     from redrafter_mlx.serving.bench import count_runs
 
-    result = run_cli("bench", "--drafter", smol_drafter, "--every", 4, "--num-prompts", 2, "--max-tokens", 4, "--configs", "auto,lookup", cwd=tmp_path)
+    result = run_cli(
+        "bench",
+        "--drafter",
+        smol_drafter,
+        "--every",
+        4,
+        "--num-prompts",
+        2,
+        "--max-tokens",
+        4,
+        "--configs",
+        "auto,lookup",
+        cwd=tmp_path,
+    )
     assert result.returncode == 0, result.stderr
     runs = count_runs(2, 2, 1)
     assert f"{runs}/{runs}" in result.stderr  # warm-up and profiled runs counted
@@ -205,11 +280,29 @@ def test_bench_counts_every_run_prints_a_line_per_prompt_and_saves_its_results(s
 def test_bench_writes_json_and_plot(smol_drafter, tmp_path):
     pytest.importorskip("matplotlib")
     result = run_cli(
-        "bench", "--drafter", smol_drafter, "--every", 3, "--num-prompts", 1, "--max-tokens", 6, "--configs", "auto,lookup,rnn:2x3,both:1x2",
-        "--json", tmp_path / "b.json", "--plot", tmp_path / "b.png", "--profile",
+        "bench",
+        "--drafter",
+        smol_drafter,
+        "--every",
+        3,
+        "--num-prompts",
+        1,
+        "--max-tokens",
+        6,
+        "--configs",
+        "auto,lookup,rnn:2x3,both:1x2",
+        "--json",
+        tmp_path / "b.json",
+        "--plot",
+        tmp_path / "b.png",
+        "--profile",
     )
     assert result.returncode == 0, result.stderr
-    assert "milliseconds per step, by phase" in result.stdout and "drafting" in result.stdout and "a plain token" in result.stdout
+    assert (
+        "milliseconds per step, by phase" in result.stdout
+        and "drafting" in result.stdout
+        and "a plain token" in result.stdout
+    )
     assert "OpenBLAS" in result.stdout or "Accelerate" in result.stdout or "BLAS" in result.stdout
     assert "verification cost" in result.stdout and "RNN beam search" in result.stdout
     report = json.loads((tmp_path / "b.json").read_text())
@@ -223,7 +316,10 @@ def test_bench_writes_json_and_plot(smol_drafter, tmp_path):
         assert r["mismatches"] == 0 and r["baseline_tps"] > 0 and r["tokens_per_step"] >= 1
         assert r["nodes_per_step"] >= 1 and r["overhead_share"] >= 0
         assert abs(sum(r["time_split"].values()) - 1) < 1e-6
-        assert set(r["step_ms"]) == {"host", "packing", "pass", "choice", "drafting", "commit"} and r["step_ms"]["pass"] > 0
+        assert (
+            set(r["step_ms"]) == {"host", "packing", "pass", "choice", "drafting", "commit"}
+            and r["step_ms"]["pass"] > 0
+        )
     assert report["results"][2]["nodes_per_step"] > 1  # rnn:2x3 verifies its beams
     assert (tmp_path / "b.png").read_bytes()[:4] == b"\x89PNG"
     assert_clean_error(run_cli("bench", "--configs", "fast"), "unknown bench configuration", status=2)
@@ -279,9 +375,13 @@ def mlx_lm_greedy_answer(question, max_tokens):
     from redrafter_mlx.loading.loader import load_base_model
 
     model, tokenizer = load_base_model(None)
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True)
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True
+    )
     expected = []
-    for token, _ in generate_step(mx.array(tokenizer.encode(prompt, add_special_tokens=False)), model, max_tokens=max_tokens):
+    for token, _ in generate_step(
+        mx.array(tokenizer.encode(prompt, add_special_tokens=False)), model, max_tokens=max_tokens
+    ):
         if token in tokenizer.eos_token_ids:
             break
         expected.append(token)
@@ -298,7 +398,9 @@ def test_lookup_only_and_the_shipped_drafter_found_by_model_identity(tmp_path):
     expected = mlx_lm_greedy_answer(question, 40)
     # A fixed node budget: `auto` sizes the tree by this machine's timings,
     # which a loaded test machine can make plain decoding's.
-    lookup = run_cli("generate", "--drafter", "none", "--prompt", question, "--max-tokens", 40, "--max-nodes", 4, "--json")
+    lookup = run_cli(
+        "generate", "--drafter", "none", "--prompt", question, "--max-tokens", 40, "--max-nodes", 4, "--json"
+    )
     assert lookup.returncode == 0, lookup.stderr
     out = json.loads(lookup.stdout)
     assert out["tokens"] == expected and out["tokens_per_step"] > 1.2 and out["nodes_per_step"] > 1
@@ -306,7 +408,9 @@ def test_lookup_only_and_the_shipped_drafter_found_by_model_identity(tmp_path):
     copy = tmp_path / "elsewhere" / "SmolLM2-135M-Instruct.Q4_1.gguf"
     copy.parent.mkdir()
     shutil.copyfile(default_model_path(), copy)
-    found = run_cli("generate", "--model", copy, "--prompt", question, "--max-tokens", 40, "--no-lookup", "--max-nodes", 4, "--json")
+    found = run_cli(
+        "generate", "--model", copy, "--prompt", question, "--max-tokens", 40, "--no-lookup", "--max-nodes", 4, "--json"
+    )
     assert found.returncode == 0, found.stderr
     assert "context lookup only" not in found.stderr
     out = json.loads(found.stdout)
@@ -344,8 +448,12 @@ def test_a_prompt_that_is_not_utf8_gets_one_error_line():
 
     root = ROOT
     result = subprocess.run(
-        [sys.executable, "-m", "redrafter_mlx.cli", "generate", "--prompt", "-"], input=b"caf\xe9 \xff\xfe",
-        capture_output=True, cwd=root, env=dict(os.environ, PYTHONPATH=root), timeout=300,
+        [sys.executable, "-m", "redrafter_mlx.cli", "generate", "--prompt", "-"],
+        input=b"caf\xe9 \xff\xfe",
+        capture_output=True,
+        cwd=root,
+        env=dict(os.environ, PYTHONPATH=root),
+        timeout=300,
     )
     result.stdout, result.stderr = result.stdout.decode(), result.stderr.decode()
     assert_clean_error(result, "not UTF-8")
@@ -369,7 +477,9 @@ def test_loading_warns_when_mlx_runs_on_the_reference_blas():
 
     root = ROOT
     code = "import mlx.core; import redrafter_mlx; from redrafter_mlx.loading.loader import warn_if_slow_blas; warn_if_slow_blas()"
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root, env=dict(os.environ, PYTHONPATH=root))
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=root, env=dict(os.environ, PYTHONPATH=root)
+    )
     assert result.returncode == 0
     if sys.platform.startswith("linux"):
         assert result.stderr.count("\n") == 1 and "slow reference BLAS" in result.stderr
@@ -378,7 +488,9 @@ def test_loading_warns_when_mlx_runs_on_the_reference_blas():
 def test_self_prompts_bad_input_gets_one_error_line_and_loses_nothing(chat_model, tmp_path):
     model, _, _, _, _ = chat_model
     assert_clean_error(run_cli("distill", "-o", tmp_path / "a"), "either --prompts FILE or --self-prompts N")
-    assert_clean_error(run_cli("distill", "--self-prompts", 0, "-o", tmp_path / "a"), "Invalid value for '--self-prompts'", status=2)
+    assert_clean_error(
+        run_cli("distill", "--self-prompts", 0, "-o", tmp_path / "a"), "Invalid value for '--self-prompts'", status=2
+    )
     # A model without a chat template has no user turn to write.
     plain = tmp_path / "plain"
     shutil.copytree(model, plain)
@@ -387,14 +499,19 @@ def test_self_prompts_bad_input_gets_one_error_line_and_loses_nothing(chat_model
     (plain / "tokenizer_config.json").write_text(json.dumps(config))
     for template in plain.glob("chat_template.*"):
         template.unlink()
-    assert_clean_error(run_cli("distill", "--model", plain, "--self-prompts", 4, "-o", tmp_path / "b"), "needs a model with a chat template")
+    assert_clean_error(
+        run_cli("distill", "--model", plain, "--self-prompts", 4, "-o", tmp_path / "b"),
+        "needs a model with a chat template",
+    )
     # A data folder made for another model is refused before anything is written.
     folder = tmp_path / "c"
     folder.mkdir()
     meta = json.dumps({"model": "another", "max_tokens": 256, "temp": 0.0, "top_p": 1.0, "seed": 0, "self_prompts": 4})
     (folder / "meta.json").write_text(meta)
     (folder / "self-prompts.jsonl").write_text('{"prompt": "kept", "source": "self-prompts", "attempt": 0}\n')
-    assert_clean_error(run_cli("distill", "--model", model, "--self-prompts", 4, "-o", folder), "different settings (model)")
+    assert_clean_error(
+        run_cli("distill", "--model", model, "--self-prompts", 4, "-o", folder), "different settings (model)"
+    )
     assert (folder / "meta.json").read_text() == meta
     assert "kept" in (folder / "self-prompts.jsonl").read_text()
 
@@ -417,10 +534,19 @@ def test_distill_answers_a_prompt_log_and_the_log_option_fails_cleanly(chat_mode
 
     foreign = tmp_path / "foreign.jsonl"
     foreign.write_text('{"tokens": [1, 99999]}\n')
-    assert_clean_error(run_cli("distill", "--model", model, "--prompts", foreign, "-o", tmp_path / "e"), "line 1 holds token ids outside the model's vocabulary")
-    assert_clean_error(run_cli("generate", "--model", model, "--drafter", "none", "--prompts", foreign), "prompt token ids must be in [0, ")
+    assert_clean_error(
+        run_cli("distill", "--model", model, "--prompts", foreign, "-o", tmp_path / "e"),
+        "line 1 holds token ids outside the model's vocabulary",
+    )
+    assert_clean_error(
+        run_cli("generate", "--model", model, "--drafter", "none", "--prompts", foreign),
+        "prompt token ids must be in [0, ",
+    )
     for command in ("chat", "serve"):
-        assert_clean_error(run_cli(command, "--model", model, "--log-prompts", tmp_path / "no" / "log.jsonl"), "cannot write the prompt log")
+        assert_clean_error(
+            run_cli(command, "--model", model, "--log-prompts", tmp_path / "no" / "log.jsonl"),
+            "cannot write the prompt log",
+        )
 
 
 def test_version_and_shell_completion_in_a_throw_away_home(tmp_path):
@@ -437,9 +563,15 @@ def test_version_and_shell_completion_in_a_throw_away_home(tmp_path):
     script = tmp_path / ".bash_completions" / "redrafter-mlx.sh"
     assert "_REDRAFTER_MLX_COMPLETE" in script.read_text()
     # What the installed script asks the command when Tab is pressed.
-    completed = run_cli(env=dict(home, _REDRAFTER_MLX_COMPLETE="complete_bash", COMP_WORDS="redrafter-mlx gen", COMP_CWORD="1"))
+    completed = run_cli(
+        env=dict(home, _REDRAFTER_MLX_COMPLETE="complete_bash", COMP_WORDS="redrafter-mlx gen", COMP_CWORD="1")
+    )
     assert completed.returncode == 0 and "generate" in completed.stdout.split()
-    options = run_cli(env=dict(home, _REDRAFTER_MLX_COMPLETE="complete_bash", COMP_WORDS="redrafter-mlx serve --max-b", COMP_CWORD="2"))
+    options = run_cli(
+        env=dict(
+            home, _REDRAFTER_MLX_COMPLETE="complete_bash", COMP_WORDS="redrafter-mlx serve --max-b", COMP_CWORD="2"
+        )
+    )
     assert "--max-batch" in options.stdout.split() and "--max-body-bytes" in options.stdout.split()
 
 
@@ -461,7 +593,9 @@ def test_a_failure_at_run_time_exits_1(smol_drafter, tmp_path):
 
 
 def test_an_answer_cut_by_max_tokens_says_so(smol_drafter):
-    cut = run_cli("generate", "--drafter", smol_drafter, "--prompt", "Write a long story about the sea.", "--max-tokens", 5)
+    cut = run_cli(
+        "generate", "--drafter", smol_drafter, "--prompt", "Write a long story about the sea.", "--max-tokens", 5
+    )
     assert cut.returncode == 0, cut.stderr
     assert "[stopped at --max-tokens 5]" in cut.stderr and "[stopped" not in cut.stdout
     whole = run_cli("generate", "--drafter", smol_drafter, "--prompt", QUESTION, "--max-tokens", 64)
@@ -481,8 +615,14 @@ def test_serve_ended_by_sigterm_while_it_measures_exits_0(tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = dict(os.environ, PYTHONPATH=ROOT, REDRAFTER_MLX_CACHE=str(tmp_path))
-    process = subprocess.Popen([sys.executable, "-m", "redrafter_mlx.cli", "serve", "--port", str(port)], cwd=ROOT, env=env,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "redrafter_mlx.cli", "serve", "--port", str(port)],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         seen = []
         for line in process.stderr:
@@ -506,13 +646,19 @@ def test_option_groups_lay_a_group_out_in_its_place_and_hand_the_command_one_obj
     got = {}
 
     @option_groups
-    def command(first: int = 1, base: ModelOptions = ModelOptions(),
-                sampling: leaving_out(SamplingOptions, "seed") = SamplingOptions(), last: int = 2):
+    def command(
+        first: int = 1,
+        base: ModelOptions = ModelOptions(),
+        sampling: leaving_out(SamplingOptions, "seed") = SamplingOptions(),
+        last: int = 2,
+    ):
         got.update(first=first, base=base, sampling=sampling, last=last)
 
     names = ["first", "model", "dtype", "temp", "top_p", "top_k", "min_p", "repetition_penalty", "last"]
     assert list(inspect.signature(command).parameters) == names
-    command(first=3, model="m", dtype=None, temp=0.5, top_p=None, top_k=None, min_p=None, repetition_penalty=None, last=4)
+    command(
+        first=3, model="m", dtype=None, temp=0.5, top_p=None, top_k=None, min_p=None, repetition_penalty=None, last=4
+    )
     assert got == dict(first=3, base=ModelOptions(model="m"), sampling=SamplingOptions(temp=0.5), last=4)
 
     def twice(model: str = "", base: ModelOptions = ModelOptions()):

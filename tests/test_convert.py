@@ -144,19 +144,22 @@ def test_converted_drafter_computes_like_torch(tmp_path, form, exit_dim, layers,
 def test_partial_config_is_completed_from_shapes(tmp_path):
     module, config = make_drafter(24, 2, True)
     torch.save(module.state_dict(), tmp_path / "d.pt")
-    summary = convert_checkpoint(str(tmp_path / "d.pt"), str(tmp_path / "out"), "float32", config={"vocab_size": VOCAB, "rnn": True})
+    summary = convert_checkpoint(
+        str(tmp_path / "d.pt"), str(tmp_path / "out"), "float32", config={"vocab_size": VOCAB, "rnn": True}
+    )
     assert summary["config"] == config
     assert summary["inferred"] == {"hidden_size": HIDDEN, "exit_dim": 24, "num_draft_layers": 2}
 
 
 def renamed_variants(state):
     """The same weights as other trainers name them."""
+
     def rename(prefix, mapping):
         out = {}
         for name, value in state.items():
             for old, new in mapping:
                 if name.startswith(old):
-                    name = new + name[len(old):]
+                    name = new + name[len(old) :]
                     break
             out[prefix + name] = value
         return out
@@ -167,7 +170,7 @@ def renamed_variants(state):
     trt = {}
     for name, value in state.items():
         if ".linear." in name:
-            name = "layers." + name[len("lm_head."):]
+            name = "layers." + name[len("lm_head.") :]
         elif name == "lm_head.2.weight":
             name = "lm_head.weight"
         trt["drafter." + name] = value
@@ -191,8 +194,15 @@ def test_renamed_variants_map_to_official_names(tmp_path, variant):
     assert max_diff(module, load_drafter(str(tmp_path / "out"))) <= 1e-5
 
 
-@pytest.mark.parametrize("source_dtype, suffix", [(torch.bfloat16, ".safetensors"), (torch.bfloat16, ".pt"),
-                                                  (torch.float64, ".safetensors"), (torch.float16, ".bin")])
+@pytest.mark.parametrize(
+    "source_dtype, suffix",
+    [
+        (torch.bfloat16, ".safetensors"),
+        (torch.bfloat16, ".pt"),
+        (torch.float64, ".safetensors"),
+        (torch.float16, ".bin"),
+    ],
+)
 def test_source_precisions(tmp_path, source_dtype, suffix):
     module, config = make_drafter(24, 2, True)
     module.to(source_dtype)
@@ -322,26 +332,68 @@ def bad_checkpoints(tmp_path):
         torch.save(content, tmp_path / f"{name}.pt")
         return str(tmp_path / f"{name}.pt")
 
-    cases.append(("missing", pt("missing", {k: v for k, v in state.items() if k != "rnn_w.weight"}), config,
-                  r"missing tensors: rnn_w\.weight \(16, 16\)"))
-    cases.append(("extra", pt("extra", dict(state, **{"module.lm_head.0.linear.scale": torch.ones(32)})), config,
-                  r"unexpected tensors: 'lm_head\.0\.linear\.scale' \(named 'module\.lm_head\.0\.linear\.scale'"))
-    cases.append(("wrong-shape", pt("shape", state), dict(config, vocab_size=50),
-                  r"'lm_head\.1\.weight' has shape \(40, 32\), expected \(50, 32\) from vocab_size=50, exit_dim=32"))
-    cases.append(("input-proj-mismatch", pt("proj", state), dict(config, exit_dim=48),
-                  r"missing tensors: input_proj\.weight \(48, 32\)"))
-    cases.append(("custom-class", pt("evil", dict(state, extra=NotATensor())), config,
-                  r"needs arbitrary code to load \(it refers to .*NotATensor\); it will not be loaded"))
+    cases.append(
+        (
+            "missing",
+            pt("missing", {k: v for k, v in state.items() if k != "rnn_w.weight"}),
+            config,
+            r"missing tensors: rnn_w\.weight \(16, 16\)",
+        )
+    )
+    cases.append(
+        (
+            "extra",
+            pt("extra", dict(state, **{"module.lm_head.0.linear.scale": torch.ones(32)})),
+            config,
+            r"unexpected tensors: 'lm_head\.0\.linear\.scale' \(named 'module\.lm_head\.0\.linear\.scale'",
+        )
+    )
+    cases.append(
+        (
+            "wrong-shape",
+            pt("shape", state),
+            dict(config, vocab_size=50),
+            r"'lm_head\.1\.weight' has shape \(40, 32\), expected \(50, 32\) from vocab_size=50, exit_dim=32",
+        )
+    )
+    cases.append(
+        (
+            "input-proj-mismatch",
+            pt("proj", state),
+            dict(config, exit_dim=48),
+            r"missing tensors: input_proj\.weight \(48, 32\)",
+        )
+    )
+    cases.append(
+        (
+            "custom-class",
+            pt("evil", dict(state, extra=NotATensor())),
+            config,
+            r"needs arbitrary code to load \(it refers to .*NotATensor\); it will not be loaded",
+        )
+    )
     cases.append(("whole-module", pt("module", module), config, "needs arbitrary code"))
     (tmp_path / "garbage.pt").write_bytes(b"\x80not a pickle" * 20)
     cases.append(("corrupt-pickle", str(tmp_path / "garbage.pt"), config, "cannot read .*garbage.pt"))
     (tmp_path / "garbage.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{broken json}...")
-    cases.append(("corrupt-safetensors", str(tmp_path / "garbage.safetensors"), config,
-                  "cannot read .*not a valid safetensors file"))
+    cases.append(
+        (
+            "corrupt-safetensors",
+            str(tmp_path / "garbage.safetensors"),
+            config,
+            "cannot read .*not a valid safetensors file",
+        )
+    )
     cases.append(("missing-path", str(tmp_path / "nowhere"), config, "checkpoint not found"))
     cases.append(("not-a-state-dict", pt("list", [1, 2, 3]), config, "does not hold a state dict"))
-    cases.append(("nan", pt("nan", dict(state, **{"rnn_u.bias": torch.full((16,), float("nan"))})), config,
-                  r"'rnn_u\.bias' holds NaN"))
+    cases.append(
+        (
+            "nan",
+            pt("nan", dict(state, **{"rnn_u.bias": torch.full((16,), float("nan"))})),
+            config,
+            r"'rnn_u\.bias' holds NaN",
+        )
+    )
     empty = tmp_path / "empty-folder"
     empty.mkdir()
     cases.append(("folder-without-weights", str(empty), config, "no weights in"))
@@ -369,7 +421,10 @@ def test_bad_options_and_occupied_destination(tmp_path, monkeypatch):
         (dict(mlx_path=str(occupied / "keep.txt")), "exists and is not a folder"),
         (dict(mlx_path=str(tmp_path / "o"), dtype="float8"), "unknown dtype"),
         (dict(mlx_path=str(tmp_path / "o"), quantize_bits=3), "4 or 8 bits"),
-        (dict(mlx_path=str(tmp_path / "o"), quantize_bits=4), "exit_dim divisible by the group size 64, got exit_dim=32"),
+        (
+            dict(mlx_path=str(tmp_path / "o"), quantize_bits=4),
+            "exit_dim divisible by the group size 64, got exit_dim=32",
+        ),
         (dict(mlx_path=str(tmp_path / "o"), config={"rnn": "yes"}), "rnn must be true or false"),
     ]:
         with pytest.raises(UserError, match=pattern):

@@ -97,8 +97,13 @@ def test_a_full_disk_stops_distill_and_train_in_one_line_and_they_resume_to_the_
     checkpoint = folder_bytes(train_reference.with_name("drafter.train") / "checkpoint")
 
     def run(job, out):
-        return subprocess.run([sys.executable, "-m", "redrafter_mlx.cli", *map(str, job.arguments(out))], cwd=ROOT, env=env,
-                              capture_output=True, text=True)
+        return subprocess.run(
+            [sys.executable, "-m", "redrafter_mlx.cli", *map(str, job.arguments(out))],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+        )
 
     # Distillation on a disk with room for half its data.
     disk = SmallDisk(tmp_path / f"disk-{uuid.uuid4().hex[:6]}", folder_bytes(reference) // 2)
@@ -108,7 +113,9 @@ def test_a_full_disk_stops_distill_and_train_in_one_line_and_they_resume_to_the_
         failed = run(jobs["distill"], out)
         assert failed.returncode != 0
         (line,) = error_lines(failed.stderr)
-        assert line.startswith(f"error: cannot write {out}/") and "the disk is full: it needs about" in line, failed.stderr
+        assert line.startswith(f"error: cannot write {out}/") and "the disk is full: it needs about" in line, (
+            failed.stderr
+        )
         assert "Traceback" not in failed.stderr and "intact" in line
         assert failed.stderr.rstrip().endswith(line)
         kept = kill_resume.data_state(out)
@@ -134,7 +141,11 @@ def test_a_full_disk_stops_distill_and_train_in_one_line_and_they_resume_to_the_
         failed = run(jobs["train"], out)
         assert failed.returncode != 0
         (line,) = error_lines(failed.stderr)
-        assert line.startswith("error: cannot write ") and "the disk is full" in line and "checkpoint of step 20 is kept" in line, failed.stderr
+        assert (
+            line.startswith("error: cannot write ")
+            and "the disk is full" in line
+            and "checkpoint of step 20 is kept" in line
+        ), failed.stderr
         assert "Traceback" not in failed.stderr
         state = json.loads((out.with_name("train.train") / "checkpoint" / "trainer.json").read_text())
         assert state["step"] == 20

@@ -26,7 +26,9 @@ def imported_modules(path: Path) -> set:
             if node.level:
                 base = list(here[: len(here) - node.level + 1])
                 parts = base + (node.module.split(".") if node.module else [])
-                names = [".".join(parts + [alias.name]) for alias in node.names] if not node.module else [".".join(parts)]
+                names = (
+                    [".".join(parts + [alias.name]) for alias in node.names] if not node.module else [".".join(parts)]
+                )
             elif node.module and node.module.startswith("redrafter_mlx."):
                 names = [node.module[len("redrafter_mlx.") :]]
             else:
@@ -56,7 +58,9 @@ def test_the_layers_are_the_package_folders():
 
 def test_no_import_circles():
     modules = {".".join(p.relative_to(PACKAGE).with_suffix("").parts): p for p in PACKAGE.rglob("*.py")}
-    modules = {m[: -len(".__init__")] if m.endswith(".__init__") else m: p for m, p in modules.items() if m != "__init__"}
+    modules = {
+        m[: -len(".__init__")] if m.endswith(".__init__") else m: p for m, p in modules.items() if m != "__init__"
+    }
     graph = {m: {t for t in imported_modules(p) if t in modules and t != m} for m, p in modules.items()}
     state, circles = {}, []
 

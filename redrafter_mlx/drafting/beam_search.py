@@ -107,9 +107,7 @@ def beam_search(
         scores = mx.take_along_axis(candidates, best, axis=-1)
         step_logprobs = mx.take_along_axis(logprobs.reshape(batch, -1), best, axis=-1)
         tokens = drafter.token_ids(draft_index).astype(mx.int32)
-        beams = mx.concatenate(
-            [mx.take_along_axis(beams, parent[..., None], axis=1), tokens[..., None]], -1
-        )
+        beams = mx.concatenate([mx.take_along_axis(beams, parent[..., None], axis=1), tokens[..., None]], -1)
         token_logprobs = mx.concatenate(
             [mx.take_along_axis(token_logprobs, parent[..., None], axis=1), step_logprobs[..., None]],
             -1,
@@ -119,9 +117,7 @@ def beam_search(
     if width < beam_width:  # tiny draft vocabularies: repeat the last beam
         pad = beam_width - width
         beams = mx.concatenate([beams, mx.repeat(beams[:, -1:], pad, axis=1)], axis=1)
-        token_logprobs = mx.concatenate(
-            [token_logprobs, mx.repeat(token_logprobs[:, -1:], pad, axis=1)], axis=1
-        )
+        token_logprobs = mx.concatenate([token_logprobs, mx.repeat(token_logprobs[:, -1:], pad, axis=1)], axis=1)
     if partial:
         widths = [[(0, 0), (0, 0), (0, beam_length - b.shape[-1])] for b, _ in held]
         beams = mx.concatenate(

@@ -86,8 +86,9 @@ class AcceptanceStats:
                     self.observe(key, predicted, node in accepted)
 
 
-def best_node_count(gains: list[list[float]], cost, max_nodes: int, extra_seconds: float = 0.0,
-                    plain_seconds: Optional[float] = None) -> tuple[int, float]:
+def best_node_count(
+    gains: list[list[float]], cost, max_nodes: int, extra_seconds: float = 0.0, plain_seconds: Optional[float] = None
+) -> tuple[int, float]:
     """The K in 0 .. max_nodes maximising expected tokens per second over the
     batch, sum over rows of (1 + the K best p_i) / (cost(K + 1) + extra);
     returns (K, that rate). K = 0 is a plain step: one token per row in

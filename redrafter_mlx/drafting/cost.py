@@ -94,25 +94,46 @@ class CostCurve:
                 moved = short + share * max(_interpolate(self.long_sizes, self.long_seconds, n) - short, 0.0)
                 seconds.append(max([moved, *seconds[-1:]]))
             plain = None if self.plain_seconds is None else self.plain_seconds + seconds[0] - self.seconds[0]
-            curve = self._at[context] = CostCurve(self.sizes, seconds, self.draft_seconds, self.step_seconds, plain, context)
+            curve = self._at[context] = CostCurve(
+                self.sizes, seconds, self.draft_seconds, self.step_seconds, plain, context
+            )
         return curve
 
     def entry(self) -> dict:
         """What the disk cache keeps of a measured curve (the search's
         seconds are kept apart, per drafter and beam shape)."""
-        return {"sizes": self.sizes, "seconds": self.seconds, "step_seconds": self.step_seconds, "plain_seconds": self.plain_seconds,
-                "context": self.context, "long_context": self.long_context, "long_sizes": self.long_sizes, "long_seconds": self.long_seconds}
+        return {
+            "sizes": self.sizes,
+            "seconds": self.seconds,
+            "step_seconds": self.step_seconds,
+            "plain_seconds": self.plain_seconds,
+            "context": self.context,
+            "long_context": self.long_context,
+            "long_sizes": self.long_sizes,
+            "long_seconds": self.long_seconds,
+        }
 
     @classmethod
     def from_entry(cls, entry: dict) -> "CostCurve":
         """A cached ``entry()``; ``ValueError`` (or ``KeyError``, ``TypeError``) when it is not one."""
         plain = entry.get("plain_seconds")
-        curve = cls([int(n) for n in entry["sizes"]], [float(t) for t in entry["seconds"]], step_seconds=float(entry["step_seconds"]),
-                    plain_seconds=None if plain is None else float(plain), context=int(entry["context"]),
-                    long_context=int(entry["long_context"]), long_sizes=[int(n) for n in entry["long_sizes"]],
-                    long_seconds=[float(t) for t in entry["long_seconds"]])
-        if (len(curve.sizes) != len(curve.seconds) or len(curve.sizes) < 2 or len(curve.long_sizes) != len(curve.long_seconds)
-                or not curve.long_sizes or curve.long_context <= curve.context):
+        curve = cls(
+            [int(n) for n in entry["sizes"]],
+            [float(t) for t in entry["seconds"]],
+            step_seconds=float(entry["step_seconds"]),
+            plain_seconds=None if plain is None else float(plain),
+            context=int(entry["context"]),
+            long_context=int(entry["long_context"]),
+            long_sizes=[int(n) for n in entry["long_sizes"]],
+            long_seconds=[float(t) for t in entry["long_seconds"]],
+        )
+        if (
+            len(curve.sizes) != len(curve.seconds)
+            or len(curve.sizes) < 2
+            or len(curve.long_sizes) != len(curve.long_seconds)
+            or not curve.long_sizes
+            or curve.long_context <= curve.context
+        ):
             raise ValueError("sizes and seconds differ")
         return curve
 
@@ -134,7 +155,9 @@ def _interpolate(sizes: list, seconds: list, nodes: int) -> float:
 
 def machine_key() -> str:
     device = "metal" if mx.metal.is_available() else str(mx.default_device())
-    return f"{platform.machine()}|{platform.processor()}|{os.cpu_count()} cpus|{device}|{blas_name()}|mlx {mx.__version__}"
+    return (
+        f"{platform.machine()}|{platform.processor()}|{os.cpu_count()} cpus|{device}|{blas_name()}|mlx {mx.__version__}"
+    )
 
 
 def cache_path() -> Path:
@@ -190,7 +213,9 @@ def stored(key: str, draft_key: Optional[str]) -> Optional[CostCurve]:
     return curve
 
 
-def cached_curve(key: str, draft_key: Optional[str], measure: Callable[[tuple, bool], CostCurve], refresh: bool = False) -> CostCurve:
+def cached_curve(
+    key: str, draft_key: Optional[str], measure: Callable[[tuple, bool], CostCurve], refresh: bool = False
+) -> CostCurve:
     """The curve cached under ``key`` (and the beam search's seconds under
     ``draft_key``, None without a drafter), measured with ``measure(sizes,
     steps)`` when missing, unreadable, or ``refresh``; ``measure`` times a

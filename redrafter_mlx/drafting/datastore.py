@@ -67,7 +67,11 @@ class Datastore:
         whose ``keep`` (n,) is True."""
         starts = np.concatenate([[0], np.cumsum(sequences.lengths)[:-1]]).astype(np.int64)
         return cls.from_sequences(
-            [sequences.tokens[a + p : a + n] for a, p, n, k in zip(starts, sequences.prompt_lengths, sequences.lengths, keep) if k],
+            [
+                sequences.tokens[a + p : a + n]
+                for a, p, n, k in zip(starts, sequences.prompt_lengths, sequences.lengths, keep)
+                if k
+            ],
             vocab_size,
         )
 
@@ -77,7 +81,11 @@ class Datastore:
         -1. Written beside and renamed (``files.replacing``): a failed or
         killed write leaves the old file as it was."""
         path = Path(folder) / FILE
-        tokens = np.where(self.tokens < 0, BOUNDARY16, self.tokens).astype(np.uint16) if self.vocab_size < BOUNDARY16 else self.tokens.astype(np.int32)
+        tokens = (
+            np.where(self.tokens < 0, BOUNDARY16, self.tokens).astype(np.uint16)
+            if self.vocab_size < BOUNDARY16
+            else self.tokens.astype(np.int32)
+        )
         with files.replacing(path, tokens.nbytes + 128, "nothing was changed") as temporary:
             with open(temporary, "wb") as f:
                 np.save(f, tokens)

@@ -192,13 +192,11 @@ def check_compatible(args: DrafterArgs, hidden_size: int, vocab_size: int) -> No
     """Refuse a drafter made for another base model."""
     if args.hidden_size != hidden_size:
         raise UserError(
-            f"drafter hidden_size {args.hidden_size} does not match the base model's "
-            f"hidden size {hidden_size}"
+            f"drafter hidden_size {args.hidden_size} does not match the base model's hidden size {hidden_size}"
         )
     if args.vocab_size != vocab_size:
         raise UserError(
-            f"drafter vocab_size {args.vocab_size} does not match the base model's "
-            f"vocabulary size {vocab_size}"
+            f"drafter vocab_size {args.vocab_size} does not match the base model's vocabulary size {vocab_size}"
         )
 
 

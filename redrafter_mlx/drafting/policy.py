@@ -83,7 +83,9 @@ class RnnSwitch:
         curve seconds. With cheap drafts to fall back on, the RNN stays on
         while its steps' rate is at least theirs."""
         past, m = self.measured[mode], MEASURED_MEMORY
-        self.measured[mode] = (tokens, seconds) if past is None else (m * past[0] + (1 - m) * tokens, m * past[1] + (1 - m) * seconds)
+        self.measured[mode] = (
+            (tokens, seconds) if past is None else (m * past[0] + (1 - m) * tokens, m * past[1] + (1 - m) * seconds)
+        )
         if self.usable and cheap_drafts and None not in (self.rate("rnn"), self.rate("lookup")):
             self.on = self.rate("rnn") >= self.rate("lookup")
 
@@ -185,7 +187,14 @@ class SearchDepth:
         included): where these were a full-length search's, the depths at
         which the trees kept RNN nodes."""
         if length == self.beam_length:
-            self.kept_depths.append({t.depths[i] for t in trees for i in range(1, t.num_nodes) if any(key[0] == "rnn" for key, _ in t.judged[i])})
+            self.kept_depths.append(
+                {
+                    t.depths[i]
+                    for t in trees
+                    for i in range(1, t.num_nodes)
+                    if any(key[0] == "rnn" for key, _ in t.judged[i])
+                }
+            )
 
     def next_length(self) -> int:
         """The length (the root included) of the search a step plans: the

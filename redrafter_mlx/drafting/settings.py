@@ -42,8 +42,16 @@ class DraftSettings:
     first_vocab: Optional[int] = FIRST_VOCAB
 
     def __post_init__(self):
-        minimums = dict(beam_width=1, beam_length=2, max_nodes=0, lookup_length=1, lookup_max_ngram=1, datastore_beams=0, later_vocab=1,
-                        first_vocab=1)
+        minimums = dict(
+            beam_width=1,
+            beam_length=2,
+            max_nodes=0,
+            lookup_length=1,
+            lookup_max_ngram=1,
+            datastore_beams=0,
+            later_vocab=1,
+            first_vocab=1,
+        )
         for name, low in minimums.items():
             value = getattr(self, name)
             if value is not None and value < low:
@@ -52,8 +60,16 @@ class DraftSettings:
     @classmethod
     def rnn_only(cls, beam_width: int, beam_length: int) -> "DraftSettings":
         """The RNN's final beams alone, every node verified (the paper's method)."""
-        return cls(beam_width, beam_length, max_nodes=beam_width * (beam_length - 1), lookup=False, datastore_beams=0, later_vocab=None,
-                   partial_beams=False, first_vocab=None)
+        return cls(
+            beam_width,
+            beam_length,
+            max_nodes=beam_width * (beam_length - 1),
+            lookup=False,
+            datastore_beams=0,
+            later_vocab=None,
+            partial_beams=False,
+            first_vocab=None,
+        )
 
     def search_shape(self, drafter) -> tuple:
         """``beam_search``'s (beam_width, beam_length, later_rows, partial,

@@ -41,7 +41,16 @@ from .datastore import Datastore
 from .lookup import LookupIndex
 from .policy import Backoff, RnnSwitch, SearchDepth
 from .settings import DraftSettings
-from .tree import RowTree, beam_drafts, candidate_tree, datastore_drafts, lookup_drafts, most_likely_nodes, most_likely_path, prune
+from .tree import (
+    RowTree,
+    beam_drafts,
+    candidate_tree,
+    datastore_drafts,
+    lookup_drafts,
+    most_likely_nodes,
+    most_likely_path,
+    prune,
+)
 
 EXPLORE_STEPS = 8  # every this many steps, verify one node more than the budget chose
 CARRIED_WEIGHT = 4.0  # predicted mass (a few steps' worth) that earlier runs' statistics weigh as
@@ -142,8 +151,15 @@ class Speculator:
     A sampled row's drafts are accepted less often than a greedy row's, so
     their statistics are kept apart: every key carries the row's kind."""
 
-    def __init__(self, settings: DraftSettings, has_drafter: bool, history: Optional[AcceptanceStats] = None,
-                 datastore: Optional[Datastore] = None, answers: Optional[AnswerStore] = None, chains: bool = False):
+    def __init__(
+        self,
+        settings: DraftSettings,
+        has_drafter: bool,
+        history: Optional[AcceptanceStats] = None,
+        datastore: Optional[Datastore] = None,
+        answers: Optional[AnswerStore] = None,
+        chains: bool = False,
+    ):
         self.settings = settings
         self.chains = chains
         self.datastore = datastore if settings.datastore_beams else None
@@ -195,8 +211,9 @@ class Speculator:
             return False
         return self.rnn.wanted()
 
-    def plan_join(self, rows: list, contexts: list, sampled: list, cost=None, running: bool = False,
-                  beams: Optional[Beams] = None) -> JoinPlan:
+    def plan_join(
+        self, rows: list, contexts: list, sampled: list, cost=None, running: bool = False, beams: Optional[Beams] = None
+    ) -> JoinPlan:
         """Prompts join the batch as ``rows``, drafting from ``contexts``
         (``sampled``: per row, whether its tokens are sampled). cost: the
         curve of the batch with them, at their longest prompt: what can pay
@@ -210,8 +227,15 @@ class Speculator:
             return JoinPlan(beams is not None, 0 if beams is None else beams.length)
         return JoinPlan(self.use_rnn(), self.settings.beam_length)
 
-    def plan(self, rows: list, roots: list, beams: Optional[Beams] = None, cost=None, ahead: bool = False,
-             may_run_ahead: bool = True) -> Plan:
+    def plan(
+        self,
+        rows: list,
+        roots: list,
+        beams: Optional[Beams] = None,
+        cost=None,
+        ahead: bool = False,
+        may_run_ahead: bool = True,
+    ) -> Plan:
         """The step's plan. rows: the prompt of each batch row; roots: each
         row's last chosen token; beams: the RNN's beams, or None when it did
         not search. cost: the cost curve (``CostCurve``) unless the settings
@@ -258,8 +282,10 @@ class Speculator:
         # At most one path is accepted: a step gains at most its deepest
         # draft, and the RNN at most its beams' length.
         settings = self.settings
-        cheap_depth = max(settings.lookup_length if settings.lookup or self.answers is not None else 0,
-                          settings.beam_length - 1 if self.datastore is not None else 0)
+        cheap_depth = max(
+            settings.lookup_length if settings.lookup or self.answers is not None else 0,
+            settings.beam_length - 1 if self.datastore is not None else 0,
+        )
         rnn_depth = settings.beam_length - 1
 
         def best(depth: int, extra: float) -> float:  # tokens a second of a row
@@ -277,7 +303,13 @@ class Speculator:
         past the measured ones where no tree has run yet), a guess that
         makes every tree look dear would otherwise never be put right. One
         step in ``PROBE_STEPS`` until a tree has run there."""
-        return cost is not None and cost.guessed and not self.forced and self.settings.max_nodes != 0 and step % PROBE_STEPS == 0
+        return (
+            cost is not None
+            and cost.guessed
+            and not self.forced
+            and self.settings.max_nodes != 0
+            and step % PROBE_STEPS == 0
+        )
 
     @staticmethod
     def _predicted(cost, trees: Optional[tuple], search: bool) -> float:
@@ -310,9 +342,14 @@ class Speculator:
             count += 1
         rate = None
         if beams is not None and self.has_cheap_drafts and (self.rnn.measured["lookup"] is None or count == 0):
-            cheap = [self._candidates(root, [d for d in row_drafts if d.keys[0][0] != "rnn"]) for root, row_drafts in zip(roots, drafts)]
+            cheap = [
+                self._candidates(root, [d for d in row_drafts if d.keys[0][0] != "rnn"])
+                for root, row_drafts in zip(roots, drafts)
+            ]
             cheap_gains = [most_likely_nodes(t) for t in cheap]
-            cheap_count, rate = best_node_count(cheap_gains, cost, max(map(len, cheap_gains)), cost.step_seconds, plain_seconds=cost.plain)
+            cheap_count, rate = best_node_count(
+                cheap_gains, cost, max(map(len, cheap_gains)), cost.step_seconds, plain_seconds=cost.plain
+            )
             if count == 0 and cheap_count:
                 # The beams are not worth their search, the cheap drafts are
                 # worth their pass: this step goes without them, and so do
@@ -327,7 +364,10 @@ class Speculator:
         drafts = cheap
         if beams is not None:  # read only now: the engine's search may still be running
             tokens, conditionals = np.asarray(beams.tokens), np.asarray(beams.conditionals)
-            drafts = [beam_drafts(b, c, estimate) + row_cheap for b, c, estimate, row_cheap in zip(tokens, conditionals, estimates, cheap)]
+            drafts = [
+                beam_drafts(b, c, estimate) + row_cheap
+                for b, c, estimate, row_cheap in zip(tokens, conditionals, estimates, cheap)
+            ]
         for row, row_drafts in zip(rows, drafts):
             kind = self.kinds.get(row, "greedy")
             for draft in row_drafts:
@@ -354,9 +394,13 @@ class Speculator:
         """A row's drafts that need no drafter run: context lookup's, the
         datastore's and the earlier answers'."""
         settings, context = self.settings, self.contexts.get(row, [])
-        drafts = lookup_drafts(self.indexes[row].propose(settings.lookup_length), estimate) if row in self.indexes else []
+        drafts = (
+            lookup_drafts(self.indexes[row].propose(settings.lookup_length), estimate) if row in self.indexes else []
+        )
         if self.datastore is not None:
-            drafts += datastore_drafts(self.datastore.propose(context, settings.beam_length - 1, settings.datastore_beams), estimate)
+            drafts += datastore_drafts(
+                self.datastore.propose(context, settings.beam_length - 1, settings.datastore_beams), estimate
+            )
         if self.answers is not None:
             drafts += datastore_drafts(self.answers.propose(context, settings.lookup_length), estimate, "answers")
         return drafts

@@ -111,8 +111,11 @@ def most_likely_path(tree: RowTree) -> RowTree:
     while nodes[-1] in children:
         nodes.append(max(children[nodes[-1]], key=lambda i: (tree.probs[i], -i)))
     return RowTree(
-        [tree.tokens[i] for i in nodes], list(range(-1, len(nodes) - 1)), list(range(len(nodes))),
-        [tree.probs[i] for i in nodes], [tree.judged[i] for i in nodes],
+        [tree.tokens[i] for i in nodes],
+        list(range(-1, len(nodes) - 1)),
+        list(range(len(nodes))),
+        [tree.probs[i] for i in nodes],
+        [tree.judged[i] for i in nodes],
     )
 
 
@@ -188,7 +191,14 @@ def pack(rows: list[RowTree]) -> Tree:
             beams[b, w, : len(path)] = [row.tokens[i] for i in path]
             unpack[b, w, : len(path)] = path
             unpack[b, w, len(path) :] = path[-1]
-    return Tree(mx.array(tokens), mx.array(depths), mx.array(mask), mx.array(beams), mx.array(unpack), [r.num_nodes for r in rows])
+    return Tree(
+        mx.array(tokens),
+        mx.array(depths),
+        mx.array(mask),
+        mx.array(beams),
+        mx.array(unpack),
+        [r.num_nodes for r in rows],
+    )
 
 
 def beam_drafts(beams: np.ndarray, conditionals: np.ndarray, estimate) -> list[Draft]:

@@ -39,9 +39,7 @@ class Acceptance:
     next_token: mx.array
 
 
-def accept(
-    beams: mx.array, unpack: mx.array, node_choices: mx.array, hidden: mx.array
-) -> Acceptance:
+def accept(beams: mx.array, unpack: mx.array, node_choices: mx.array, hidden: mx.array) -> Acceptance:
     """Args:
     beams: (B, W, L) drafted beams, column 0 the previous bonus token.
     unpack: (B, W, L) packed node index of each beam position.

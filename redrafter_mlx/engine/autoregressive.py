@@ -44,7 +44,14 @@ def autoregressive_steps(
     if max_tokens == 0:
         return
     size = max_batch or len(prompts)
-    decoder = Decoder(ReDrafter(base, None), PLAIN, choose, eos_token_ids, prefill_step_size=prefill_step_size, with_hidden=with_hidden)
+    decoder = Decoder(
+        ReDrafter(base, None),
+        PLAIN,
+        choose,
+        eos_token_ids,
+        prefill_step_size=prefill_step_size,
+        with_hidden=with_hidden,
+    )
     first = list(range(min(size, len(prompts))))
     waiting = list(range(len(first), len(prompts)))
     outputs = decoder.join([prompts[i] for i in first], max_tokens, ids=first)

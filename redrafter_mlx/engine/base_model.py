@@ -87,7 +87,9 @@ class BaseModel:
                 sizes.append(len(c.cache))
                 windows.append(None)
             else:
-                raise UserError(f"unsupported model type {kind}: layer {i} keeps a {type(c).__name__}, which the engine cannot verify a draft with")
+                raise UserError(
+                    f"unsupported model type {kind}: layer {i} keeps a {type(c).__name__}, which the engine cannot verify a draft with"
+                )
         return sizes, windows
 
     def _skipped_caches(self, layers: list, kind: str) -> list[bool]:
@@ -100,7 +102,9 @@ class BaseModel:
             return skipped
         owners = [i for i, layer in enumerate(layers) if holds_cache(layer)]
         if len(owners) != self.num_layers:
-            raise UserError(f"cannot split model type {kind} into pipeline stages here: cannot tell which of its layers keeps which cache")
+            raise UserError(
+                f"cannot split model type {kind} into pipeline stages here: cannot tell which of its layers keeps which cache"
+            )
         return [skipped[i] for i in owners]
 
     def _probe(self) -> tuple[int, int]:
@@ -111,8 +115,7 @@ class BaseModel:
         logits = self.head(hidden)
         if logits.shape != expected.shape or not mx.allclose(logits, expected, atol=1e-3, rtol=1e-3):
             raise UserError(
-                f"unsupported model type {type(self.model).__module__}: its logits are not "
-                "head(last hidden state)"
+                f"unsupported model type {type(self.model).__module__}: its logits are not head(last hidden state)"
             )
         return hidden.shape[-1], logits.shape[-1]
 
@@ -122,8 +125,11 @@ class BaseModel:
         layer = self.head_layer
         if "scales" in layer:  # quantized
             weight = mx.dequantize(
-                layer.weight[token_ids], layer.scales[token_ids], layer.biases[token_ids],
-                group_size=layer.group_size, bits=layer.bits,
+                layer.weight[token_ids],
+                layer.scales[token_ids],
+                layer.biases[token_ids],
+                group_size=layer.group_size,
+                bits=layer.bits,
             )
         else:
             weight = layer.weight[token_ids]
@@ -139,7 +145,11 @@ class BaseModel:
         layout = CacheLayout(left_padding)
         return layout, [
             # (a skipped recurrent layer's state stays empty)
-            RecurrentCache(layout, size) if size is not None else SkippedCache(layout) if skipped else TreeKVCache(layout, window)
+            RecurrentCache(layout, size)
+            if size is not None
+            else SkippedCache(layout)
+            if skipped
+            else TreeKVCache(layout, window)
             for size, skipped, window in zip(self.layer_caches, self.skipped, self.windows)
         ]
 

@@ -130,8 +130,14 @@ class CacheLayout:
                 index = mx.array(path[:, None, first:kept, None], mx.int32)
                 moves = Moves(first, kept, index, None, None, int(source.max()) + 1)
             else:
-                moves = Moves(0, kept, None, mx.array(source[:, None, :, None], mx.int32), mx.array(target[:, None, :, None], mx.int32),
-                              int(source.max()) + 1)
+                moves = Moves(
+                    0,
+                    kept,
+                    None,
+                    mx.array(source[:, None, :, None], mx.int32),
+                    mx.array(target[:, None, :, None], mx.int32),
+                    int(source.max()) + 1,
+                )
         self._moves = (path, accepted, moves)
         return moves
 
@@ -241,7 +247,9 @@ class StepCache(ABC):
         token's depth)."""
 
     @abstractmethod
-    def make_mask(self, num_tokens: int, return_array: bool = False, window_size: Optional[int] = None) -> Optional[mx.array]:
+    def make_mask(
+        self, num_tokens: int, return_array: bool = False, window_size: Optional[int] = None
+    ) -> Optional[mx.array]:
         """The mask for a block of ``num_tokens`` tokens, as mlx-lm's mask
         builders ask for it. For attention (``create_attention_mask``):
         (B, 1, N, start + N - layout.window_start(window_size)) bool, which
@@ -314,7 +322,9 @@ class TreeKVCache(StepCache):
     def offset(self):
         return self.layout.offset
 
-    def make_mask(self, num_tokens: int, return_array: bool = False, window_size: Optional[int] = None) -> Optional[mx.array]:
+    def make_mask(
+        self, num_tokens: int, return_array: bool = False, window_size: Optional[int] = None
+    ) -> Optional[mx.array]:
         return self.layout.mask(num_tokens, window_size, return_array)
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
@@ -359,7 +369,9 @@ class TreeKVCache(StepCache):
             # copies it).
             for buffer in (self.keys, self.values):
                 shape = (*buffer.shape[:2], kept - first, buffer.shape[3])
-                moved = mx.take_along_axis(buffer[..., start : self.block_end, :], mx.broadcast_to(moves.index, shape), axis=2)
+                moved = mx.take_along_axis(
+                    buffer[..., start : self.block_end, :], mx.broadcast_to(moves.index, shape), axis=2
+                )
                 buffer[..., start + first : start + kept, :] = moved
             return
         for name in ("keys", "values"):
@@ -380,7 +392,9 @@ class TreeKVCache(StepCache):
             return mx.pad(buffer[..., :used, :], [(0, 0), (0, 0), (shift, 0), (0, 0)])
 
         self.keys = mx.concatenate([shifted(self.keys, length, pad), shifted(other.keys, other_length, other_pad)])
-        self.values = mx.concatenate([shifted(self.values, length, pad), shifted(other.values, other_length, other_pad)])
+        self.values = mx.concatenate(
+            [shifted(self.values, length, pad), shifted(other.values, other_length, other_pad)]
+        )
 
     def rows_kv(self, row: int, begin: int, end: int) -> tuple[mx.array, mx.array]:
         """Keys and values of one row's positions begin .. end, (1, H, end - begin, D)."""

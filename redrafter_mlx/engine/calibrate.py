@@ -27,7 +27,9 @@ class StepCostMeter(Protocol):
     timed beside it), returns (seconds a drafting step costs besides its
     pass, seconds of one pipelined plain token)."""
 
-    def __call__(self, redrafter: ReDrafter, prompts: list, curve: CostCurve, pass_seconds: Callable[[int], float]) -> tuple[float, float]: ...
+    def __call__(
+        self, redrafter: ReDrafter, prompts: list, curve: CostCurve, pass_seconds: Callable[[int], float]
+    ) -> tuple[float, float]: ...
 
 
 def _timed(runs: list, repeats: int) -> list[float]:
@@ -45,8 +47,15 @@ def _timed(runs: list, repeats: int) -> list[float]:
     return [statistics.median(t) for t in times]
 
 
-def measure(redrafter, batch_size: int, beam_shape: Optional[tuple] = None, repeats: int = 5, sizes=SIZES, tree: bool = True,
-            step_costs: Optional[StepCostMeter] = None) -> CostCurve:
+def measure(
+    redrafter,
+    batch_size: int,
+    beam_shape: Optional[tuple] = None,
+    repeats: int = 5,
+    sizes=SIZES,
+    tree: bool = True,
+    step_costs: Optional[StepCostMeter] = None,
+) -> CostCurve:
     """Time tree passes of every size in ``sizes`` (a chain tree: per-token
     positions and a tree mask, as verification runs; with ``tree`` False, a
     plain causal chunk of as many tokens instead) after CONTEXT committed
@@ -99,8 +108,15 @@ def measure(redrafter, batch_size: int, beam_shape: Optional[tuple] = None, repe
     seconds = [max(seconds[: i + 1]) for i in range(len(seconds))]  # more nodes never cost less
     long_seconds = [max(long_seconds[: i + 1]) for i in range(len(long_seconds))]
     draft = times[len(sizes) + len(long_sizes)] if len(times) > len(sizes) + len(long_sizes) else 0.0
-    curve = CostCurve(list(sizes), seconds, draft, context=CONTEXT, long_context=stretch * CONTEXT, long_sizes=long_sizes or None,
-                      long_seconds=long_seconds or None)
+    curve = CostCurve(
+        list(sizes),
+        seconds,
+        draft,
+        context=CONTEXT,
+        long_context=stretch * CONTEXT,
+        long_sizes=long_sizes or None,
+        long_seconds=long_seconds or None,
+    )
     if step_costs is not None:
         passes = {}
 
@@ -155,8 +171,13 @@ def stored_curve(redrafter: ReDrafter, batch_size: int, beam_shape: Optional[tup
     return stored(key, _draft_key(redrafter, key, beam_shape))
 
 
-def cost_curve(redrafter: ReDrafter, batch_size: int, beam_shape: Optional[tuple] = None, refresh: bool = False,
-               step_costs: Optional[StepCostMeter] = None) -> CostCurve:
+def cost_curve(
+    redrafter: ReDrafter,
+    batch_size: int,
+    beam_shape: Optional[tuple] = None,
+    refresh: bool = False,
+    step_costs: Optional[StepCostMeter] = None,
+) -> CostCurve:
     """The cached curve for this machine, model, dtype and batch size, with
     the beam search's cost for ``beam_shape`` and this drafter, and the
     steps' own costs (``step_costs``, see ``measure``); measured when
@@ -164,9 +185,19 @@ def cost_curve(redrafter: ReDrafter, batch_size: int, beam_shape: Optional[tuple
     if redrafter.base.ranks.several:
         # Split over ranks: hops included, measured on every start, the same on every rank.
         if redrafter.base.ranks.rank == 0:
-            print("measuring the split model's verification cost, hops included (a few seconds, at every start)...", file=sys.stderr, flush=True)
+            print(
+                "measuring the split model's verification cost, hops included (a few seconds, at every start)...",
+                file=sys.stderr,
+                flush=True,
+            )
         return measure(redrafter, batch_size, beam_shape, step_costs=step_costs)
     key = curve_key(redrafter, batch_size)
     draft_key = _draft_key(redrafter, key, beam_shape)
-    return cached_curve(key, draft_key, lambda sizes, steps: measure(redrafter, batch_size, beam_shape, sizes=sizes,
-                                                                      step_costs=step_costs if steps else None), refresh)
+    return cached_curve(
+        key,
+        draft_key,
+        lambda sizes, steps: measure(
+            redrafter, batch_size, beam_shape, sizes=sizes, step_costs=step_costs if steps else None
+        ),
+        refresh,
+    )

@@ -105,15 +105,24 @@ class StepCosts:
     the engine's steps cost besides their passes when a curve is
     measured."""
 
-    def __init__(self, redrafter: ReDrafter, batch_sizes=(1,), beam_shape: Optional[tuple] = None, fixed: Optional[CostCurve] = None,
-                 sized: bool = True, step_costs: Optional[StepCostMeter] = None):
+    def __init__(
+        self,
+        redrafter: ReDrafter,
+        batch_sizes=(1,),
+        beam_shape: Optional[tuple] = None,
+        fixed: Optional[CostCurve] = None,
+        sized: bool = True,
+        step_costs: Optional[StepCostMeter] = None,
+    ):
         self.redrafter, self.beam_shape, self.fixed, self.sized = redrafter, beam_shape, fixed, sized
         self.batch_sizes = sorted(batch_sizes)
         self.step_costs = step_costs
         self.measured: dict = {}  # batch size -> its measured (or derived) curve
         self.made: dict = {}  # (batch size, context step) -> (learned version, the curve there)
         self.learns = fixed is None and sized and learning(redrafter)
-        self.plain_since: Optional[tuple] = None  # (when, batch size) the last plain step that issued the next pass read its token
+        self.plain_since: Optional[tuple] = (
+            None  # (when, batch size) the last plain step that issued the next pass read its token
+        )
         self.returned = 0.0  # when the last step returned to the caller
 
     def size(self, batch_size: int) -> int:
@@ -125,7 +134,9 @@ class StepCosts:
         at a step (announced on stderr when it is measured)."""
         if self.fixed is None and self.sized:
             size = self.size(batch_size)
-            self.measured[size] = calibrate.cost_curve(self.redrafter, size, self.beam_shape, step_costs=self.step_costs)
+            self.measured[size] = calibrate.cost_curve(
+                self.redrafter, size, self.beam_shape, step_costs=self.step_costs
+            )
 
     def _base(self, size: int) -> CostCurve:
         if size not in self.measured:
@@ -133,10 +144,12 @@ class StepCosts:
                 self.measure(size)
             else:
                 if MEASURED_BATCH not in self.measured:
-                    self.measured[MEASURED_BATCH] = calibrate.cost_curve(self.redrafter, MEASURED_BATCH, self.beam_shape,
-                                                                         step_costs=self.step_costs)
+                    self.measured[MEASURED_BATCH] = calibrate.cost_curve(
+                        self.redrafter, MEASURED_BATCH, self.beam_shape, step_costs=self.step_costs
+                    )
                 self.measured[size] = calibrate.stored_curve(self.redrafter, size, self.beam_shape) or widened(
-                    self.measured[MEASURED_BATCH], size)
+                    self.measured[MEASURED_BATCH], size
+                )
         return self.measured[size]
 
     def learned(self, size: int) -> Learned:
@@ -173,7 +186,9 @@ class StepCosts:
         spent = seconds - (base.draft_seconds if searched else 0.0)
         self.learned(size).add(context, node_kind(nodes), spent / (base(nodes) + base.step_seconds))
 
-    def plain_step(self, batch_size: int, context: int, tic: float, seconds: float, searched: bool, consumed: bool, ahead: bool) -> None:
+    def plain_step(
+        self, batch_size: int, context: int, tic: float, seconds: float, searched: bool, consumed: bool, ahead: bool
+    ) -> None:
         """A plain step that began at ``tic`` read its token ``seconds``
         later (now). consumed: its pass was issued by the step before;
         ahead: it issued the next step's. A pipelined step's wall time is
@@ -209,7 +224,10 @@ def corrected(curve: CostCurve, learned: Learned, context: int) -> CostCurve:
     A step faster than the curve's (a ratio below 1) is taken as its pass
     and its fixed cost both faster, so a pass never comes out free."""
     step = curve.step_seconds
-    seconds = [max(r * (s + step) - step, r * s) for r, s in ((learned.ratio(context, node_kind(n)), s) for n, s in zip(curve.sizes, curve.seconds))]
+    seconds = [
+        max(r * (s + step) - step, r * s)
+        for r, s in ((learned.ratio(context, node_kind(n)), s) for n, s in zip(curve.sizes, curve.seconds))
+    ]
     seconds = [max(seconds[: i + 1]) for i in range(len(seconds))]  # more nodes never cost less
     plain = learned.ratio(context, PLAIN) * curve.plain
     draft = learned.ratio(context, node_kind(2)) * curve.draft_seconds
@@ -221,10 +239,23 @@ def widened(curve: CostCurve, batch_size: int) -> CostCurve:
     pass of n nodes per row as one row's pass of ``batch_size * n`` nodes,
     the search as many times one row's (the steps correct both)."""
     seconds = [curve(batch_size * n) for n in curve.sizes]
-    long_seconds = [_interpolated(curve.long_sizes, curve.long_seconds, batch_size * n) for n in curve.long_sizes] if curve.long_seconds else None
+    long_seconds = (
+        [_interpolated(curve.long_sizes, curve.long_seconds, batch_size * n) for n in curve.long_sizes]
+        if curve.long_seconds
+        else None
+    )
     plain = None if curve.plain_seconds is None else curve.plain_seconds * curve(batch_size) / curve(1)
-    return CostCurve(curve.sizes, seconds, curve.draft_seconds * batch_size, curve.step_seconds, plain, curve.context, curve.long_context,
-                     curve.long_sizes, long_seconds)
+    return CostCurve(
+        curve.sizes,
+        seconds,
+        curve.draft_seconds * batch_size,
+        curve.step_seconds,
+        plain,
+        curve.context,
+        curve.long_context,
+        curve.long_sizes,
+        long_seconds,
+    )
 
 
 def _interpolated(sizes: list, seconds: list, n: int) -> float:

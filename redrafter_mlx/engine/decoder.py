@@ -59,8 +59,12 @@ class PlainPass(NamedTuple):
 
     def rows(self, keep: mx.array) -> "PlainPass":
         """The rows ``keep`` (indices), in that order."""
-        return PlainPass(self.token[keep], self.hidden[keep], None if self.logprobs is None else tuple(a[keep] for a in self.logprobs),
-                         None if self.distributions is None else self.distributions[keep])
+        return PlainPass(
+            self.token[keep],
+            self.hidden[keep],
+            None if self.logprobs is None else tuple(a[keep] for a in self.logprobs),
+            None if self.distributions is None else self.distributions[keep],
+        )
 
 
 @dataclass
@@ -113,10 +117,17 @@ class Decoder:
         self.prefill_step_size, self.with_hidden = prefill_step_size, with_hidden
         self.profile = NO_PROFILE if profile is None else profile
         self.speculator = Speculator(
-            draft, redrafter.drafter is not None, redrafter.acceptance, redrafter.datastore, redrafter.answers, chains=redrafter.base.recurrent
+            draft,
+            redrafter.drafter is not None,
+            redrafter.acceptance,
+            redrafter.datastore,
+            redrafter.answers,
+            chains=redrafter.base.recurrent,
         )
         shape = draft.search_shape(redrafter.drafter) if redrafter.drafter is not None else None
-        self.costs = StepCosts(redrafter, cost_batch_sizes, shape, cost_curve, sized=not self.speculator.forced, step_costs=fixed_costs)
+        self.costs = StepCosts(
+            redrafter, cost_batch_sizes, shape, cost_curve, sized=not self.speculator.forced, step_costs=fixed_costs
+        )
         self.tracker = RowTracker([], 0, eos_token_ids)
         self.layout = self.cache = None
         self.beams: Optional[Beams] = None  # the RNN's beams for the next step (None: it did not search)
@@ -133,18 +144,31 @@ class Decoder:
         """The RNN's beams and their probabilities (lazy), ``length`` long
         (the root included; 0: the settings' beam length)."""
         width, full, later, partial, first = self.draft.search_shape(self.redrafter.drafter)
-        beams, logprobs = beam_search(self.redrafter.drafter, self.redrafter.base.embed, hidden, first_tokens, width, length or full, later,
-                                      partial, first)
+        beams, logprobs = beam_search(
+            self.redrafter.drafter,
+            self.redrafter.base.embed,
+            hidden,
+            first_tokens,
+            width,
+            length or full,
+            later,
+            partial,
+            first,
+        )
         return Beams(beams, mx.exp(logprobs))
 
-    def join(self, prompts: Sequence[Sequence[int]], max_tokens, ids: Optional[Sequence[int]] = None, prompt_caches=None) -> list[StepOutput]:
+    def join(
+        self, prompts: Sequence[Sequence[int]], max_tokens, ids: Optional[Sequence[int]] = None, prompt_caches=None
+    ) -> list[StepOutput]:
         """Prefill prompts and add them to the batch; returns each one's
         first token, in order and last (before them: the tokens of running
         rows whose plain pass had run ahead). max_tokens: one for all, or one per prompt.
         ids: each prompt's index in the caller's input list (default 0, 1, ...)."""
         return self.finish_join(self.begin_join(prompts, max_tokens, ids, prompt_caches))
 
-    def begin_join(self, prompts: Sequence[Sequence[int]], max_tokens, ids: Optional[Sequence[int]] = None, prompt_caches=None) -> Joining:
+    def begin_join(
+        self, prompts: Sequence[Sequence[int]], max_tokens, ids: Optional[Sequence[int]] = None, prompt_caches=None
+    ) -> Joining:
         """``join`` in two halves, with the batch's steps between them: the
         prompts are checked here, their prefill runs a chunk at a time
         (``Joining.prefill.advance``) while the running rows step, and
@@ -167,8 +191,14 @@ class Decoder:
         # which runs now when the RNN drafts.
         cost = self.costs.curve(staying + len(coming.prompts), max(map(len, coming.prompts)))
         joining = [self.tracker.add(p, m, i) for p, m, i in zip(coming.prompts, coming.limits, coming.ids)]
-        plan = self.speculator.plan_join(joining, [self.tracker.context[r] for r in joining], [self.choose.is_sampled(i) for i in coming.ids], cost,
-                                         running=self.layout is not None, beams=self.beams)
+        plan = self.speculator.plan_join(
+            joining,
+            [self.tracker.context[r] for r in joining],
+            [self.choose.is_sampled(i) for i in coming.ids],
+            cost,
+            running=self.layout is not None,
+            beams=self.beams,
+        )
         layout, cache, hidden, logits = coming.prefill.finish()
         first, logprobs, distributions = self._choose(logits, self.tracker.history(rows=joining))
         first = first[:, 0]
@@ -179,8 +209,12 @@ class Decoder:
         _, (first, beams) = self._settle(None, (np.array(first), host_beams(beams)))
         self._add_rows(joining, layout, cache, beams)
         at_root = np.zeros((len(joining), 1), np.int64)
-        outputs = self.tracker.emit([[t] for t in first.tolist()], rows=joining, logprobs=logprob_lists(logprobs, at_root),
-                                    distributions=distribution_rows(distributions, at_root))
+        outputs = self.tracker.emit(
+            [[t] for t in first.tolist()],
+            rows=joining,
+            logprobs=logprob_lists(logprobs, at_root),
+            distributions=distribution_rows(distributions, at_root),
+        )
         self._attach_hidden(outputs, hidden_rows, joining)
         return ready + self._finished(outputs)
 
@@ -258,8 +292,12 @@ class Decoder:
         cost = self.costs.curve(len(tracker.rows), self.layout.start)  # (the keys this step's pass reads)
         tic = time.perf_counter()
         roots = [tracker.context[r][-1] for r in tracker.rows]
-        may_run_ahead = not self.choose.reads_tokens and not self.profile.enabled and not self.redrafter.base.ranks.several
-        plan = self.speculator.plan(tracker.rows, roots, self.beams, cost=cost, ahead=self.ahead is not None, may_run_ahead=may_run_ahead)
+        may_run_ahead = (
+            not self.choose.reads_tokens and not self.profile.enabled and not self.redrafter.base.ranks.several
+        )
+        plan = self.speculator.plan(
+            tracker.rows, roots, self.beams, cost=cost, ahead=self.ahead is not None, may_run_ahead=may_run_ahead
+        )
         outputs = self._plain_step(plan, roots, tic) if plan.mode == "plain" else self._tree_step(plan, tic)
         self.costs.step_returned()
         return self._finished(outputs)
@@ -273,9 +311,12 @@ class Decoder:
         tree, hidden, logits = self._verify(plan.trees)
         step, logprobs, distributions = self._accept(tree, hidden, logits)
         beams = self._search(step.next_hidden, step.next_token, plan.search_length) if plan.search else None
-        beams = self._synchronise([step.num_accepted, step.tokens, step.path, logprobs, [c.state_arrays() for c in self.cache]], beams)
+        beams = self._synchronise(
+            [step.num_accepted, step.tokens, step.path, logprobs, [c.state_arrays() for c in self.cache]], beams
+        )
         seconds, (num_accepted, path, tokens, self.beams) = self._settle(
-            tic, (np.array(step.num_accepted), np.array(step.path), np.array(step.tokens), beams))
+            tic, (np.array(step.num_accepted), np.array(step.path), np.array(step.tokens), beams)
+        )
         # Known on the host now: only what was accepted, and only what is out
         # of place, is copied (lazily, evaluated with the next pass).
         for c in self.cache:
@@ -285,8 +326,11 @@ class Decoder:
         self.costs.observe(len(tracker.rows), self.layout.start, max(tree.num_nodes), seconds, plan.search)
         self.layout.commit(num_accepted + 1)
         outputs = tracker.emit(
-            [tokens[i, : n + 1].tolist() for i, n in enumerate(num_accepted)], num_accepted.tolist(), tree.num_nodes,
-            logprobs=logprob_lists(logprobs, path), distributions=distribution_rows(distributions, path, num_accepted + 1),
+            [tokens[i, : n + 1].tolist() for i, n in enumerate(num_accepted)],
+            num_accepted.tolist(),
+            tree.num_nodes,
+            logprobs=logprob_lists(logprobs, path),
+            distributions=distribution_rows(distributions, path, num_accepted + 1),
         )
         profile.lap("host")
         profile.count_step()
@@ -385,7 +429,9 @@ class Decoder:
                 c.commit_path(root_only, none)
             layout.commit(none + 1)
         tracker = self.tracker
-        history = TokenHistory([tracker.ids[r] for r in tracker.rows], [tracker.context[r] for r in tracker.rows], tokens, mask, depths)
+        history = TokenHistory(
+            [tracker.ids[r] for r in tracker.rows], [tracker.context[r] for r in tracker.rows], tokens, mask, depths
+        )
         choices, logprobs, distributions = self._choose(logits, history)
         return PlainPass(choices[:, 0], hidden[:, 0], logprobs, distributions)
 
@@ -411,8 +457,13 @@ class Decoder:
         batch = len(roots)
         self.costs.plain_step(batch, self.layout.start, tic, seconds, plan.search, consumed=consumed, ahead=plan.ahead)
         at_root = np.zeros((batch, 1), np.int64)
-        outputs = self.tracker.emit([[t] for t in token.tolist()], [0] * batch, [1] * batch, logprobs=logprob_lists(now.logprobs, at_root),
-                                    distributions=distribution_rows(now.distributions, at_root))
+        outputs = self.tracker.emit(
+            [[t] for t in token.tolist()],
+            [0] * batch,
+            [1] * batch,
+            logprobs=logprob_lists(now.logprobs, at_root),
+            distributions=distribution_rows(now.distributions, at_root),
+        )
         self._attach_hidden(outputs, hidden_rows, self.tracker.rows)
         return outputs
 
@@ -427,18 +478,29 @@ class Decoder:
         at_root = np.zeros((len(self.tracker.rows), 1), np.int64)
         lists = logprob_lists(ahead.logprobs, at_root) or [None] * len(self.tracker.rows)
         distributions = distribution_rows(ahead.distributions, at_root) or [None] * len(self.tracker.rows)
-        going_on = [(r, t, lp, d) for r, t, lp, d in zip(self.tracker.rows, np.array(ahead.token).tolist(), lists, distributions)
-                    if r not in self.leaving]
+        going_on = [
+            (r, t, lp, d)
+            for r, t, lp, d in zip(self.tracker.rows, np.array(ahead.token).tolist(), lists, distributions)
+            if r not in self.leaving
+        ]
         rows = [r for r, _, _, _ in going_on]
         per_row = None if ahead.logprobs is None else [lp for _, _, lp, _ in going_on]
         per_row_distributions = None if ahead.distributions is None else [d for _, _, _, d in going_on]
-        outputs = self.tracker.emit([[t] for _, t, _, _ in going_on], [0] * len(rows), [1] * len(rows), rows=rows, logprobs=per_row,
-                                    distributions=per_row_distributions)
+        outputs = self.tracker.emit(
+            [[t] for _, t, _, _ in going_on],
+            [0] * len(rows),
+            [1] * len(rows),
+            rows=rows,
+            logprobs=per_row,
+            distributions=per_row_distributions,
+        )
         self._attach_hidden(outputs, hidden_rows, self.tracker.rows)
         return self._finished(outputs)
 
 
-def fixed_costs(redrafter: ReDrafter, prompts: list, curve: CostCurve, pass_seconds: Callable[[int], float], tokens: int = 24) -> tuple[float, float]:
+def fixed_costs(
+    redrafter: ReDrafter, prompts: list, curve: CostCurve, pass_seconds: Callable[[int], float], tokens: int = 24
+) -> tuple[float, float]:
     """(seconds a drafting step costs besides its pass, seconds of one
     pipelined plain token), from the engine's own steps on ``prompts``:
     drafting steps by context lookup alone (a prompt that repeats itself,
@@ -474,7 +536,9 @@ def fixed_costs(redrafter: ReDrafter, prompts: list, curve: CostCurve, pass_seco
     drafting = run(DraftSettings(max_nodes=4, datastore_beams=0), repeating, pass_seconds)
     fixed = max(statistics.median(step - alone for step, alone in drafting), 0.0) if drafting else 0.0
     around = [pass_seconds(1) for _ in range(3)]
-    plain = statistics.median(seconds for seconds, _ in run(DraftSettings(max_nodes=0, lookup=False, datastore_beams=0), prompts))
+    plain = statistics.median(
+        seconds for seconds, _ in run(DraftSettings(max_nodes=0, lookup=False, datastore_beams=0), prompts)
+    )
     mx.synchronize()  # (the last plain pass may have been issued ahead)
     around += [pass_seconds(1) for _ in range(3)]
     return fixed, plain * curve(1) / statistics.median(around)
@@ -486,7 +550,9 @@ def host_beams(beams) -> Optional[Beams]:
     return None if beams is None else Beams(*(np.array(a) for a in beams))
 
 
-def distribution_rows(distributions: Optional[mx.array], nodes: np.ndarray, counts: Optional[np.ndarray] = None) -> Optional[list]:
+def distribution_rows(
+    distributions: Optional[mx.array], nodes: np.ndarray, counts: Optional[np.ndarray] = None
+) -> Optional[list]:
     """Per row, the distributions (B, N, vocab) at its nodes (B, M), the
     first ``counts[b]`` of them (default all): (M, vocab) each, lazy; None
     when there are none."""
@@ -549,8 +615,14 @@ def generate_steps(
     if max(limits, default=0) == 0:
         return iter(())
     decoder = Decoder(
-        redrafter, draft or DraftSettings(), choose, eos_token_ids,
-        prefill_step_size=prefill_step_size, profile=profile, cost_batch_sizes=(len(prompts),), cost_curve=cost_curve,
+        redrafter,
+        draft or DraftSettings(),
+        choose,
+        eos_token_ids,
+        prefill_step_size=prefill_step_size,
+        profile=profile,
+        cost_batch_sizes=(len(prompts),),
+        cost_curve=cost_curve,
     )
     # This machine's cost curve, measured now if it must be (announced on
     # stderr): before the caller's clock starts, not inside the first step.

@@ -179,8 +179,12 @@ class SplitRanks(Ranks):
         if (digests == digests[0]).all():
             return results
         if not (digests[self.rank] == digests[0]).all() and not self.resent:
-            print(f"note: rank {self.rank} computed a step differently from rank 0 (ranks on different chips or MLX builds round "
-                  "differently); it takes rank 0's step whenever that happens", file=sys.stderr, flush=True)
+            print(
+                f"note: rank {self.rank} computed a step differently from rank 0 (ranks on different chips or MLX builds round "
+                "differently); it takes rank 0's step whenever that happens",
+                file=sys.stderr,
+                flush=True,
+            )
         self.resent = True
         return self.broadcast(results if self.rank == 0 else None)
 
@@ -253,8 +257,19 @@ def numerics() -> str:
         device = mx.device_info()
     except (AttributeError, RuntimeError):
         device = {}
-    return json.dumps([platform.system(), platform.machine(), mx.__version__, str(mx.default_device()), device.get("architecture"),
-                       device.get("device_name"), blas_name(), os.environ.get("OPENBLAS_NUM_THREADS"), os.environ.get("OMP_NUM_THREADS")])
+    return json.dumps(
+        [
+            platform.system(),
+            platform.machine(),
+            mx.__version__,
+            str(mx.default_device()),
+            device.get("architecture"),
+            device.get("device_name"),
+            blas_name(),
+            os.environ.get("OPENBLAS_NUM_THREADS"),
+            os.environ.get("OMP_NUM_THREADS"),
+        ]
+    )
 
 
 def fail(rank, message: str) -> None:
@@ -403,7 +418,9 @@ class SkippedCache(StepCache):
     def offset(self):
         return self.layout.offset
 
-    def make_mask(self, num_tokens: int, return_array: bool = False, window_size: Optional[int] = None) -> Optional[mx.array]:
+    def make_mask(
+        self, num_tokens: int, return_array: bool = False, window_size: Optional[int] = None
+    ) -> Optional[mx.array]:
         return self.layout.mask(num_tokens, window_size, return_array)
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
@@ -419,7 +436,9 @@ class SkippedCache(StepCache):
         """Nothing kept, no rows to add."""
 
     def rows_kv(self, row: int, begin: int, end: int) -> tuple:
-        raise RuntimeError("a layer another rank runs keeps nothing for a prompt cache (a split model keeps no prompt caches)")
+        raise RuntimeError(
+            "a layer another rank runs keeps nothing for a prompt cache (a split model keeps no prompt caches)"
+        )
 
     def state_arrays(self) -> list:
         return []
@@ -445,7 +464,11 @@ def make_stage(layer: nn.Module, group, receive_from: Optional[int], send_to: Op
             for value in (*args, *kwargs.values()):
                 if isinstance(getattr(value, "keys", None), mx.array):
                     value.keys = mx.depends(value.keys, y)
-                elif isinstance(getattr(value, "cache", None), list) and value.cache and isinstance(value.cache[-1], mx.array):
+                elif (
+                    isinstance(getattr(value, "cache", None), list)
+                    and value.cache
+                    and isinstance(value.cache[-1], mx.array)
+                ):
                     value.cache[-1] = mx.depends(value.cache[-1], y)  # a recurrent layer's state
         return y
 
@@ -486,7 +509,9 @@ def split_model(model: nn.Module, ranks: Ranks) -> None:
         try:
             model.shard(ranks.group)
         except (AssertionError, ValueError) as e:
-            raise UserError(f"cannot split model type {kind} over {ranks.size} ranks by tensors ({e or 'its heads do not divide'}); use --split pipeline") from None
+            raise UserError(
+                f"cannot split model type {kind} over {ranks.size} ranks by tensors ({e or 'its heads do not divide'}); use --split pipeline"
+            ) from None
         return
     if backbone is None or not isinstance(getattr(backbone, "layers", None), list):
         raise UserError(f"cannot split model type {kind} into pipeline stages: no list of layers")

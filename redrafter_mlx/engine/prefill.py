@@ -20,10 +20,7 @@ def check_prompts(base: BaseModel, prompts: Sequence[Sequence[int]]) -> None:
         raise UserError(f"prompt token ids must be in [0, {base.vocab_size})")
     longest = max(len(p) for p in prompts)
     if base.max_context and longest >= base.max_context:
-        raise UserError(
-            f"prompt of {longest} tokens does not fit the model's context of "
-            f"{base.max_context} tokens"
-        )
+        raise UserError(f"prompt of {longest} tokens does not fit the model's context of {base.max_context} tokens")
 
 
 class Prefill:
@@ -40,7 +37,13 @@ class Prefill:
     of ``prefill_step_size`` tokens, then the last token alone.
     """
 
-    def __init__(self, base: BaseModel, prompts: Sequence[Sequence[int]], prefill_step_size: int = PREFILL_STEP_SIZE, prompt_caches=None):
+    def __init__(
+        self,
+        base: BaseModel,
+        prompts: Sequence[Sequence[int]],
+        prefill_step_size: int = PREFILL_STEP_SIZE,
+        prompt_caches=None,
+    ):
         self.base, self.step_size = base, prefill_step_size
         # Per group of rows fed together: [layout, caches, tokens (B, T), tokens fed].
         if prompt_caches is not None and any(c is not None and c.reusable(p) for p, c in zip(prompts, prompt_caches)):
@@ -122,7 +125,9 @@ class Prefill:
         return layout, cache, mx.concatenate([p[2] for p in parts]), mx.concatenate([p[3] for p in parts])
 
 
-def prefill(base: BaseModel, prompts: Sequence[Sequence[int]], prefill_step_size: int = PREFILL_STEP_SIZE, prompt_caches=None):
+def prefill(
+    base: BaseModel, prompts: Sequence[Sequence[int]], prefill_step_size: int = PREFILL_STEP_SIZE, prompt_caches=None
+):
     """Feed the prompts whole (``Prefill``, to the end). Returns (layout,
     cache, hidden (B, hidden_size), logits (B, 1, vocab)) at the last
     prompt token."""

@@ -55,7 +55,11 @@ class StepProfile:
 
     def per_step(self) -> dict:
         """Milliseconds a step per phase (the prefill left out)."""
-        return {phase: 1000 * t / self.steps if self.steps else 0.0 for phase, t in self.seconds.items() if phase != "prefill"}
+        return {
+            phase: 1000 * t / self.steps if self.steps else 0.0
+            for phase, t in self.seconds.items()
+            if phase != "prefill"
+        }
 
 
 class NoProfile:

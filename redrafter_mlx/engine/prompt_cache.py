@@ -120,12 +120,20 @@ class PromptCache:
         """A cache of the first ``length`` tokens (views of these arrays);
         not for recurrent layers, whose state is after all the tokens."""
         assert not self.recurrent, "a recurrent state cannot be cut"
-        return PromptCache(self.tokens[:length], [k[..., :length, :] for k in self.keys], [v[..., :length, :] for v in self.values], self.model)
+        return PromptCache(
+            self.tokens[:length],
+            [k[..., :length, :] for k in self.keys],
+            [v[..., :length, :] for v in self.values],
+            self.model,
+        )
 
     def compact(self) -> "PromptCache":
         """A copy that owns just its own memory (a cache a generation filled
         holds views of that generation's whole batch buffers)."""
-        keys = [tuple(mx.contiguous(a) for a in k) if v is None else mx.contiguous(k) for k, v in zip(self.keys, self.values)]
+        keys = [
+            tuple(mx.contiguous(a) for a in k) if v is None else mx.contiguous(k)
+            for k, v in zip(self.keys, self.values)
+        ]
         values = [None if v is None else mx.contiguous(v) for v in self.values]
         mx.eval(keys, [v for v in values if v is not None])
         return PromptCache(self.tokens, keys, values, self.model)
@@ -154,8 +162,13 @@ def save_prompt_cache(path: str, cache: PromptCache, metadata: Optional[dict] = 
                 arrays[f"state.{i}.{j}"] = mx.contiguous(a)
         else:
             arrays[f"keys.{i}"], arrays[f"values.{i}"] = mx.contiguous(k), mx.contiguous(v)
-    info = {"format": str(FORMAT), "tokens": json.dumps(cache.tokens), "model": cache.model, "layers": str(len(cache.keys)),
-            "pending": json.dumps(cache.pending)}
+    info = {
+        "format": str(FORMAT),
+        "tokens": json.dumps(cache.tokens),
+        "model": cache.model,
+        "layers": str(len(cache.keys)),
+        "pending": json.dumps(cache.pending),
+    }
     info["recurrent"] = json.dumps(recurrent)
     info["metadata"] = json.dumps(metadata or {})
     tmp = path.with_name(f".{path.stem}.tmp{os.getpid()}.safetensors")
@@ -176,7 +189,10 @@ def load_prompt_cache(path: str, return_metadata: bool = False):
             raise ValueError(f"format {info.get('format')!r}, expected {FORMAT}")
         layers = int(info["layers"])
         recurrent = {int(i): n for i, n in json.loads(info.get("recurrent", "{}")).items()}
-        keys = [tuple(arrays[f"state.{i}.{j}"] for j in range(recurrent[i])) if i in recurrent else arrays[f"keys.{i}"] for i in range(layers)]
+        keys = [
+            tuple(arrays[f"state.{i}.{j}"] for j in range(recurrent[i])) if i in recurrent else arrays[f"keys.{i}"]
+            for i in range(layers)
+        ]
         values = [None if i in recurrent else arrays[f"values.{i}"] for i in range(layers)]
         tokens = json.loads(info["tokens"])
         pending = json.loads(info.get("pending", "[]"))

@@ -59,7 +59,9 @@ class RecurrentCache(ArraysCache, StepCache):
         """The layout's positions (a recurrent layer itself reads none)."""
         return self.layout.offset
 
-    def make_mask(self, num_tokens: int, return_array: bool = False, window_size: Optional[int] = None) -> Optional[mx.array]:
+    def make_mask(
+        self, num_tokens: int, return_array: bool = False, window_size: Optional[int] = None
+    ) -> Optional[mx.array]:
         """(B, N) bool, which tokens of a prefill chunk are real (not left
         padding); None when all are, and always for a chain. (mlx-lm's
         ``create_ssm_mask`` passes ``num_tokens`` alone.)"""
@@ -67,7 +69,9 @@ class RecurrentCache(ArraysCache, StepCache):
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         """A recurrent layer keeps no keys and values: refused."""
-        raise TypeError("a recurrent layer's cache keeps no keys and values; an attention layer was given a recurrent layer's cache")
+        raise TypeError(
+            "a recurrent layer's cache keeps no keys and values; an attention layer was given a recurrent layer's cache"
+        )
 
     def advance(self, num_tokens: int) -> None:
         """Positions are the layout's: nothing to move."""
@@ -85,7 +89,9 @@ class RecurrentCache(ArraysCache, StepCache):
         inputs = bound.arguments[input_name]
         width = inputs.shape[1]
         fed = accepted + 1
-        assert all((path[b, :n] == np.arange(n)).all() for b, n in enumerate(fed)), "recurrent layers verify chains only"
+        assert all((path[b, :n] == np.arange(n)).all() for b, n in enumerate(fed)), (
+            "recurrent layers verify chains only"
+        )
         for n in sorted(set(fed[fed < width].tolist())):
             rows = np.flatnonzero(fed == n)
             whole = len(rows) == len(fed)

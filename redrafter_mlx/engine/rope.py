@@ -153,7 +153,9 @@ class Rotations:
         made: Optional[tuple] = self._made.get(kind)
         if made is None or made[0] is not offset:
             pairs = self._kinds[kind][2]
-            rotation = MatrixRotation(self.matrices(rope, offset, dim)) if pairs is None else self.pairs(rope, offset, pairs)
+            rotation = (
+                MatrixRotation(self.matrices(rope, offset, dim)) if pairs is None else self.pairs(rope, offset, pairs)
+            )
             made = self._made[kind] = (offset, rotation)
         return made[1]
 

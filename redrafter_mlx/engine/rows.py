@@ -17,7 +17,9 @@ class RowTracker:
     (``TokenHistory.rows``), which per-prompt sampling seeds follow.
     """
 
-    def __init__(self, prompts: Sequence[Sequence[int]], max_tokens: int, eos_token_ids: Sequence[int], rows=None, ids=None):
+    def __init__(
+        self, prompts: Sequence[Sequence[int]], max_tokens: int, eos_token_ids: Sequence[int], rows=None, ids=None
+    ):
         self.eos = set(eos_token_ids)
         self.context, self.ids, self.produced, self.max_tokens = {}, {}, {}, {}
         self.added = 0
@@ -44,8 +46,15 @@ class RowTracker:
             return TokenHistory(ids, context)
         return TokenHistory(ids, context, tree.tokens, tree.mask, tree.depths)
 
-    def emit(self, tokens_per_row: list, num_accepted: Optional[list] = None, num_nodes: Optional[list] = None, rows: Optional[list] = None,
-             logprobs: Optional[list] = None, distributions: Optional[list] = None) -> list[StepOutput]:
+    def emit(
+        self,
+        tokens_per_row: list,
+        num_accepted: Optional[list] = None,
+        num_nodes: Optional[list] = None,
+        rows: Optional[list] = None,
+        logprobs: Optional[list] = None,
+        distributions: Optional[list] = None,
+    ) -> list[StepOutput]:
         """Record each row's new tokens (rows: default the active rows), cut
         at EOS and max_tokens; ``logprobs``, per row, one entry per token
         (``StepOutput.logprobs``), and ``distributions``, per row, an array
@@ -67,8 +76,18 @@ class RowTracker:
             nodes = None if num_nodes is None else num_nodes[i]
             row_logprobs = None if logprobs is None else logprobs[i][: len(tokens)]
             row_distributions = None if distributions is None else distributions[i][: len(tokens)]
-            outputs.append(StepOutput(row, tokens, accepted, finish, num_nodes=nodes, logprobs=row_logprobs, stop_token=stop_token,
-                                      distributions=row_distributions))
+            outputs.append(
+                StepOutput(
+                    row,
+                    tokens,
+                    accepted,
+                    finish,
+                    num_nodes=nodes,
+                    logprobs=row_logprobs,
+                    stop_token=stop_token,
+                    distributions=row_distributions,
+                )
+            )
         return outputs
 
     def keep_unfinished(self, outputs: list[StepOutput]) -> Optional[list[int]]:

@@ -70,10 +70,16 @@ class SamplingSettings:
             (0 < self.top_p <= 1, f"top-p must be in (0, 1], got {self.top_p}"),
             (self.top_k >= 0, f"top-k must be >= 0, got {self.top_k}"),
             (0 <= self.min_p <= 1, f"min-p must be in [0, 1], got {self.min_p}"),
-            (self.repetition_penalty is None or self.repetition_penalty > 0, f"repetition penalty must be > 0, got {self.repetition_penalty}"),
+            (
+                self.repetition_penalty is None or self.repetition_penalty > 0,
+                f"repetition penalty must be > 0, got {self.repetition_penalty}",
+            ),
             (0 <= self.xtc_probability <= 1, f"XTC probability must be in [0, 1], got {self.xtc_probability}"),
             (0 <= self.xtc_threshold <= 0.5, f"XTC threshold must be in [0, 0.5], got {self.xtc_threshold}"),
-            (self.logprobs is None or 0 <= self.logprobs <= 20, f"top logprobs must be in [0, 20], got {self.logprobs}"),
+            (
+                self.logprobs is None or 0 <= self.logprobs <= 20,
+                f"top logprobs must be in [0, 20], got {self.logprobs}",
+            ),
         ]
         for name in ("repetition", "presence", "frequency"):
             size = getattr(self, f"{name}_context_size")
@@ -184,7 +190,9 @@ def window_counts(windows: mx.array, vocab: int) -> mx.array:
     batch, nodes, size = windows.shape
     flat = windows.reshape(-1, size)
     rows = mx.broadcast_to(mx.arange(flat.shape[0])[:, None], flat.shape)
-    counts = mx.zeros((flat.shape[0], vocab), mx.float32).at[rows, mx.maximum(flat, 0)].add((flat >= 0).astype(mx.float32))
+    counts = (
+        mx.zeros((flat.shape[0], vocab), mx.float32).at[rows, mx.maximum(flat, 0)].add((flat >= 0).astype(mx.float32))
+    )
     return counts.reshape(batch, nodes, vocab)
 
 
@@ -294,7 +302,9 @@ class Sampler(Chooser):
             present = window_counts(history_windows(history, settings.presence_context_size), vocab) > 0
             logits = logits - settings.presence_penalty * present
         if settings.frequency_penalty:
-            logits = logits - settings.frequency_penalty * window_counts(history_windows(history, settings.frequency_context_size), vocab)
+            logits = logits - settings.frequency_penalty * window_counts(
+                history_windows(history, settings.frequency_context_size), vocab
+            )
         if settings.forced:
             index = positions - settings.forced_at
             inside = (index >= 0) & (index < len(settings.forced))
@@ -320,7 +330,9 @@ class Sampler(Chooser):
             coins = xtc_coins(seeds, positions).reshape(-1) if settings.xtc_probability > 0 else None
             for apply_filter in self.filters:
                 filtered = apply_filter(filtered, coins)
-            choice = mx.argmax(filtered.reshape(batch, nodes, vocab) / settings.temp + self.noise_at(seeds, positions, vocab), axis=-1)
+            choice = mx.argmax(
+                filtered.reshape(batch, nodes, vocab) / settings.temp + self.noise_at(seeds, positions, vocab), axis=-1
+            )
         if logprobs is None:
             return choice
         return (choice, *top_logprobs(logits, choice, logprobs))
@@ -346,7 +358,10 @@ class PerPrompt(Chooser):
     def __call__(self, logits: mx.array, history: TokenHistory, logprobs: Optional[int] = None):
         chosen = []
         for i, row in enumerate(history.rows):
-            nodes = [None if a is None else a[i : i + 1] for a in (history.node_tokens, history.node_mask, history.node_depths)]
+            nodes = [
+                None if a is None else a[i : i + 1]
+                for a in (history.node_tokens, history.node_mask, history.node_depths)
+            ]
             row_history = TokenHistory([0], [history.context[i]], *nodes)
             if logprobs is None:
                 chosen.append(self.choosers[row](logits[i : i + 1], row_history))
@@ -413,8 +428,13 @@ class AppSampler(Chooser):
     prompt given to that call and what it generated, not the conversation
     a prompt cache held before it (default: from the first token)."""
 
-    def __init__(self, sampler: Optional[Callable] = None, logits_processors: Optional[Sequence[Callable]] = None,
-                 distributions: bool = False, starts: Optional[Sequence[int]] = None):
+    def __init__(
+        self,
+        sampler: Optional[Callable] = None,
+        logits_processors: Optional[Sequence[Callable]] = None,
+        distributions: bool = False,
+        starts: Optional[Sequence[int]] = None,
+    ):
         self.sampler = sampler
         self.processors = list(logits_processors or ())
         self.starts = starts

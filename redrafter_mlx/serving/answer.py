@@ -154,8 +154,11 @@ class Answer:
     def _take_calls(self, part: Part) -> None:
         for call in self.tools.calls[len(self.calls) :]:
             arguments = call["arguments"]
-            made = {"id": f"call_{secrets.token_hex(12)}", "name": call["name"],
-                    "arguments": arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)}
+            made = {
+                "id": f"call_{secrets.token_hex(12)}",
+                "name": call["name"],
+                "arguments": arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False),
+            }
             self.calls.append(made)
             part.calls.append(made)
 

@@ -11,12 +11,32 @@ import secrets
 from typing import Optional
 
 from .answer import KEEP_ALIVE, Answer
-from .requests import BadRequest, Context, Job, check_context, flag, forcing, number, render, sampling, stop_strings, template_kwargs
+from .requests import (
+    BadRequest,
+    Context,
+    Job,
+    check_context,
+    flag,
+    forcing,
+    number,
+    render,
+    sampling,
+    stop_strings,
+    template_kwargs,
+)
 from .scheduler import Request
 
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error", 408: "invalid_request_error",
-               413: "request_too_large", 429: "rate_limit_error", 431: "invalid_request_error", 503: "overloaded_error"}
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    408: "invalid_request_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    431: "invalid_request_error",
+    503: "overloaded_error",
+}
 
 
 def error_body(message: str, status: int, tokens: Optional[int] = None, limit: Optional[int] = None) -> dict:
@@ -35,7 +55,9 @@ def _text(value, where: str) -> str:
     if isinstance(value, list) and all(isinstance(b, dict) for b in value):
         kinds = {b.get("type") for b in value} - {"text"}
         if kinds:
-            raise BadRequest(f"'{where}' holds a {sorted(map(str, kinds))[0]!r} block; this model reads text only", "messages")
+            raise BadRequest(
+                f"'{where}' holds a {sorted(map(str, kinds))[0]!r} block; this model reads text only", "messages"
+            )
         if all(isinstance(b.get("text"), str) for b in value):
             return "".join(b["text"] for b in value)
     raise BadRequest(f"'{where}' must be a string or a list of text blocks", where.split(".")[0].split("[")[0])
@@ -47,9 +69,10 @@ def _shown(messages: list, i: int) -> bool:
     follows it."""
     message = messages[i]
     if message.get("clear_at") not in (None, "never", "next_user_message"):
-        raise BadRequest(f"'messages[{i}].clear_at' must be \"never\" or \"next_user_message\"", "messages")
+        raise BadRequest(f'\'messages[{i}].clear_at\' must be "never" or "next_user_message"', "messages")
     return message.get("clear_at") != "next_user_message" or not any(
-        isinstance(m, dict) and m.get("role") == "user" for m in messages[i + 1 :])
+        isinstance(m, dict) and m.get("role") == "user" for m in messages[i + 1 :]
+    )
 
 
 def conversation(body: dict) -> list:
@@ -86,16 +109,30 @@ def conversation(body: dict) -> list:
             elif kind in ("thinking", "redacted_thinking") and role == "assistant":
                 continue
             elif kind == "tool_use" and role == "assistant" and isinstance(block.get("name"), str):
-                calls.append({"id": str(block.get("id", "")), "type": "function",
-                              "function": {"name": block["name"], "arguments": block.get("input") or {}}})
+                calls.append(
+                    {
+                        "id": str(block.get("id", "")),
+                        "type": "function",
+                        "function": {"name": block["name"], "arguments": block.get("input") or {}},
+                    }
+                )
             elif kind == "tool_result" and role == "user":
                 result = block.get("content", "")
-                out.append({"role": "tool", "tool_call_id": str(block.get("tool_use_id", "")), "content": _text(result, f"{where}.content")})
+                out.append(
+                    {
+                        "role": "tool",
+                        "tool_call_id": str(block.get("tool_use_id", "")),
+                        "content": _text(result, f"{where}.content"),
+                    }
+                )
             elif kind in ("image", "document"):
                 raise BadRequest(f"'{where}.content' holds a {kind!r} block; this model reads text only", "messages")
             else:
-                raise BadRequest(f"'{where}.content' holds a block this server does not take ({kind!r}); "
-                                 "text, tool_use, tool_result and thinking are taken", "messages")
+                raise BadRequest(
+                    f"'{where}.content' holds a block this server does not take ({kind!r}); "
+                    "text, tool_use, tool_result and thinking are taken",
+                    "messages",
+                )
         if text or calls:
             message_out = {"role": role, "content": text}
             if calls:
@@ -114,7 +151,7 @@ def tool_list(value) -> tuple[Optional[list], list]:
     if value is None:
         return None, []
     if not isinstance(value, list) or not all(isinstance(t, dict) and isinstance(t.get("name"), str) for t in value):
-        raise BadRequest("'tools' must be a list of {\"name\", \"description\", \"input_schema\"}", "tools")
+        raise BadRequest('\'tools\' must be a list of {"name", "description", "input_schema"}', "tools")
     kept, left_out = [], []
     for i, tool in enumerate(value):
         if tool.get("type", "custom") != "custom" or tool.get("defer_loading") is True:
@@ -123,7 +160,12 @@ def tool_list(value) -> tuple[Optional[list], list]:
         schema = tool.get("input_schema", {"type": "object"})
         if not isinstance(schema, dict) or not isinstance(tool.get("description", ""), str):
             raise BadRequest(f"'tools[{i}]' needs an object 'input_schema' and a string 'description'", "tools")
-        kept.append({"type": "function", "function": {"name": tool["name"], "description": tool.get("description", ""), "parameters": schema}})
+        kept.append(
+            {
+                "type": "function",
+                "function": {"name": tool["name"], "description": tool.get("description", ""), "parameters": schema},
+            }
+        )
     return kept or None, left_out
 
 
@@ -140,7 +182,10 @@ def tool_choice(value, tools: Optional[list]) -> tuple:
         return True, None, True
     if kind == "tool" and tools and value.get("name") in {t["function"]["name"] for t in tools}:
         return True, value["name"], True
-    raise BadRequest("'tool_choice' must be {\"type\": \"auto\"}, {\"type\": \"any\"}, {\"type\": \"none\"} or {\"type\": \"tool\", \"name\": one of 'tools'}", "tool_choice")
+    raise BadRequest(
+        '\'tool_choice\' must be {"type": "auto"}, {"type": "any"}, {"type": "none"} or {"type": "tool", "name": one of \'tools\'}',
+        "tool_choice",
+    )
 
 
 def render_prompt(body: dict, ctx: Context) -> tuple[list, list, Optional[list], tuple, list]:
@@ -173,26 +218,40 @@ def check_options(body: dict, ctx: Context) -> None:
     if config is not None and not isinstance(config, dict):
         raise BadRequest("'output_config' must be an object", "output_config")
     if (config or {}).get("format") is not None or body.get("output_format") is not None:
-        raise BadRequest("structured output ('output_config.format') is not supported: this server answers in free text", "output_config")
+        raise BadRequest(
+            "structured output ('output_config.format') is not supported: this server answers in free text",
+            "output_config",
+        )
     metadata = body.get("metadata")
     if metadata is not None and not isinstance(metadata, dict):
         raise BadRequest("'metadata' must be an object", "metadata")
     if body.get("mcp_servers"):
-        raise BadRequest("'mcp_servers' is not supported: this server calls no MCP servers; give their tools in 'tools'", "mcp_servers")
+        raise BadRequest(
+            "'mcp_servers' is not supported: this server calls no MCP servers; give their tools in 'tools'",
+            "mcp_servers",
+        )
     management = body.get("context_management")
     if management is None:
         return
     edits = management.get("edits", []) if isinstance(management, dict) else None
     if not isinstance(edits, list) or not all(isinstance(e, dict) and e.get("type") in EDITS for e in edits):
-        raise BadRequest(f"'context_management.edits' must be a list of edits of type {' or '.join(EDITS)}", "context_management")
+        raise BadRequest(
+            f"'context_management.edits' must be a list of edits of type {' or '.join(EDITS)}", "context_management"
+        )
     for edit in edits:
         trigger = edit.get("trigger") or {"type": "input_tokens", "value": CLEAR_TOOL_USES_TRIGGER}
         value = trigger.get("value") if isinstance(trigger, dict) else None
         if not isinstance(value, (int, float)) or isinstance(value, bool):
-            raise BadRequest("'context_management.edits[].trigger' must be {\"type\": ..., \"value\": a number}", "context_management")
+            raise BadRequest(
+                '\'context_management.edits[].trigger\' must be {"type": ..., "value": a number}', "context_management"
+            )
         if edit["type"] == "clear_tool_uses_20250919" and not (
-                trigger.get("type") == "input_tokens" and ctx.max_context and value >= ctx.max_context):
-            raise BadRequest("clearing tool results ('clear_tool_uses') before the model's context is full is not supported", "context_management")
+            trigger.get("type") == "input_tokens" and ctx.max_context and value >= ctx.max_context
+        ):
+            raise BadRequest(
+                "clearing tool results ('clear_tool_uses') before the model's context is full is not supported",
+                "context_management",
+            )
 
 
 def parse_messages(body: dict, ctx: Context) -> Job:
@@ -204,8 +263,17 @@ def parse_messages(body: dict, ctx: Context) -> Job:
     # Anthropic's default temperature is 1; its stop sequences are "stop_sequences".
     settings = sampling(body, ctx, temperature=1.0, forced=forced, prompt_length=len(prompt))
     limit = number(body, "max_tokens", ctx.max_tokens, low=1, integer=True)
-    return Job(Request(prompt, limit, settings), "messages", stop_strings(body.get("stop_sequences"), "stop_sequences"),
-               flag(body, "stream"), False, messages, tools, left_out=left_out, echo={"context_management": body.get("context_management")})
+    return Job(
+        Request(prompt, limit, settings),
+        "messages",
+        stop_strings(body.get("stop_sequences"), "stop_sequences"),
+        flag(body, "stream"),
+        False,
+        messages,
+        tools,
+        left_out=left_out,
+        echo={"context_management": body.get("context_management")},
+    )
 
 
 def count_tokens(body: dict, ctx: Context) -> dict:
@@ -226,10 +294,21 @@ class AnthropicAnswer:
         from the prompt cache, as the API counts them (``cache_read_input_tokens``
         the others; the cache here costs nothing to write)."""
         a = self.answer
-        message = {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": content,
-                   "stop_reason": stop_reason, "stop_sequence": stop_sequence,
-                   "usage": {"input_tokens": a.prompt_tokens - a.cached_tokens, "output_tokens": output_tokens,
-                             "cache_read_input_tokens": a.cached_tokens, "cache_creation_input_tokens": 0}}
+        message = {
+            "id": self.id,
+            "type": "message",
+            "role": "assistant",
+            "model": self.model,
+            "content": content,
+            "stop_reason": stop_reason,
+            "stop_sequence": stop_sequence,
+            "usage": {
+                "input_tokens": a.prompt_tokens - a.cached_tokens,
+                "output_tokens": output_tokens,
+                "cache_read_input_tokens": a.cached_tokens,
+                "cache_creation_input_tokens": 0,
+            },
+        }
         if a.job.echo.get("context_management") is not None:
             message["context_management"] = {"applied_edits": []}
         if stop_reason is not None:
@@ -255,7 +334,9 @@ class AnthropicAnswer:
         if failure is not None:
             return failure[0], error_body(failure[1], failure[0])
         a = self.answer
-        content = ([{"type": "text", "text": part.text}] if part.text or not a.calls else []) + [self._tool_block(c) for c in a.calls]
+        content = ([{"type": "text", "text": part.text}] if part.text or not a.calls else []) + [
+            self._tool_block(c) for c in a.calls
+        ]
         return 200, self._message(content, *self._stop(), a.completion_tokens)
 
     async def stream(self, request, keep_alive: Optional[float]):
@@ -284,7 +365,10 @@ class AnthropicAnswer:
                     index, text_open = index + 1, False
                 block = self._tool_block(call)
                 yield event("content_block_start", {"index": index, "content_block": dict(block, input={})})
-                yield event("content_block_delta", {"index": index, "delta": {"type": "input_json_delta", "partial_json": json.dumps(block["input"])}})
+                yield event(
+                    "content_block_delta",
+                    {"index": index, "delta": {"type": "input_json_delta", "partial_json": json.dumps(block["input"])}},
+                )
                 yield event("content_block_stop", {"index": index})
                 index += 1
         a = self.answer
@@ -297,5 +381,7 @@ class AnthropicAnswer:
             yield event("content_block_stop", {"index": index})
         stop_reason, stop_sequence = self._stop()
         usage = self._message([], output_tokens=a.completion_tokens)["usage"]
-        yield event("message_delta", {"delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence}, "usage": usage})
+        yield event(
+            "message_delta", {"delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence}, "usage": usage}
+        )
         yield event("message_stop", {})

@@ -55,7 +55,9 @@ class StepResponse:
     cached_tokens: int = 0
 
 
-def encode_prompt(tokenizer, prompt: Union[str, Sequence], chat_template: bool = True, template_options: Optional[dict] = None) -> list:
+def encode_prompt(
+    tokenizer, prompt: Union[str, Sequence], chat_template: bool = True, template_options: Optional[dict] = None
+) -> list:
     """Token ids for a prompt, as mlx-lm's generate command makes them: for
     a user message (str), the chat template applied when the tokenizer has
     one (unless ``chat_template`` is False), else the text encoded as it is;
@@ -72,7 +74,9 @@ def encode_prompt(tokenizer, prompt: Union[str, Sequence], chat_template: bool =
     if not tokenizer.has_chat_template:
         raise UserError("a conversation needs a chat template, and this model's tokenizer has none")
     try:
-        text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True, **(template_options or {}))
+        text = tokenizer.apply_chat_template(
+            prompt, tokenize=False, add_generation_prompt=True, **(template_options or {})
+        )
     except Exception as e:  # the template's own checks (roles, order)
         raise UserError(f"the chat template refused the conversation ({e})") from None
     return tokenizer.encode(text, add_special_tokens=False)
@@ -209,6 +213,15 @@ def batch_steps(
         seconds = time.perf_counter() - tic
         for i, ids in enumerate(tokens):
             results.append(
-                BatchResult(tokenizer.decode(ids), ids, len(chunk[i]), steps[i], step_tokens[i], step_nodes[i], finish[i], seconds)
+                BatchResult(
+                    tokenizer.decode(ids),
+                    ids,
+                    len(chunk[i]),
+                    steps[i],
+                    step_tokens[i],
+                    step_nodes[i],
+                    finish[i],
+                    seconds,
+                )
             )
     return results

@@ -86,7 +86,12 @@ def parse_configs(text: str) -> list[Config]:
         elif kind in ("rnn", "both") and shape.count("x") == 1 and all(p.isdigit() for p in shape.split("x")):
             draft = DraftSettings.rnn_only(*map(int, shape.split("x")))
             if kind == "both":
-                draft = replace(draft, lookup=True, lookup_length=draft.beam_length - 1, max_nodes=draft.max_nodes + draft.beam_length - 1)
+                draft = replace(
+                    draft,
+                    lookup=True,
+                    lookup_length=draft.beam_length - 1,
+                    max_nodes=draft.max_nodes + draft.beam_length - 1,
+                )
         else:
             raise UserError(f"unknown bench configuration {name!r}; use auto, lookup, nodes:K, rnn:WxL or both:WxL")
         configs.append(Config(name, draft))
@@ -102,7 +107,9 @@ class ConfigResult:
     baseline_tps: list = field(default_factory=list)
     baseline_runs: dict = field(default_factory=dict)  # batch index -> plain decoding's tokens/s per repeat
     speedups: dict = field(default_factory=dict)  # batch index -> one speed-up per repeat
-    counts: dict = field(default_factory=dict)  # batch index -> [steps, tokens emitted by steps, nodes, tokens], over repeats
+    counts: dict = field(
+        default_factory=dict
+    )  # batch index -> [steps, tokens emitted by steps, nodes, tokens], over repeats
     profile: StepProfile = field(default_factory=StepProfile)  # from extra profiled runs
     peak_memory_gb: float = 0.0
     mismatches: int = 0  # outputs that differ from the baseline's
@@ -134,8 +141,11 @@ class ConfigResult:
             "nodes_per_step": step_nodes / steps if steps else 0.0,
             # What each batch's speed-up came with: a slow batch is short answers or few tokens per step.
             "per_batch": [
-                {"tokens_per_step": c[1] / c[0] if c[0] else 0.0, "nodes_per_step": c[2] / c[0] if c[0] else 0.0,
-                 "tokens": c[3] / len(self.speedups[b])}
+                {
+                    "tokens_per_step": c[1] / c[0] if c[0] else 0.0,
+                    "nodes_per_step": c[2] / c[0] if c[0] else 0.0,
+                    "tokens": c[3] / len(self.speedups[b]),
+                }
                 for b, c in self.counts.items()
             ],
             "time_split": {phase: t / split if split else 0.0 for phase, t in spent.items()},
@@ -168,7 +178,9 @@ def baseline_run(redrafter: ReDrafter, prompts: list, max_tokens: int, choose: C
     if len(prompts) == 1:
         tokens = []
         sampler = mlx_lm_sampler(choose, prompts[0])
-        for token, _ in generate_step(mx.array(prompts[0]), redrafter.base.model, max_tokens=max_tokens, sampler=sampler):
+        for token, _ in generate_step(
+            mx.array(prompts[0]), redrafter.base.model, max_tokens=max_tokens, sampler=sampler
+        ):
             if token in eos:
                 break
             tokens.append(token)
@@ -177,7 +189,9 @@ def baseline_run(redrafter: ReDrafter, prompts: list, max_tokens: int, choose: C
         outputs = mlx_lm_batch(redrafter.base.model, prompts, max_tokens, eos)
     else:
         outputs = [[] for _ in prompts]
-        for step in autoregressive_steps(redrafter.base, prompts, max_tokens=max_tokens, choose=choose, eos_token_ids=eos):
+        for step in autoregressive_steps(
+            redrafter.base, prompts, max_tokens=max_tokens, choose=choose, eos_token_ids=eos
+        ):
             for out in step:
                 outputs[out.row] += out.tokens
     seconds = time.perf_counter() - tic
@@ -190,7 +204,9 @@ def baseline_run(redrafter: ReDrafter, prompts: list, max_tokens: int, choose: C
 def mlx_lm_batch(model, prompts: list, max_tokens: int, eos: list) -> list:
     """Greedy batched decoding by mlx-lm's own ``BatchGenerator``: each
     prompt's tokens, without the end-of-sequence token."""
-    generator = BatchGenerator(model, stop_tokens=[[t] for t in eos], completion_batch_size=len(prompts), prefill_batch_size=len(prompts))
+    generator = BatchGenerator(
+        model, stop_tokens=[[t] for t in eos], completion_batch_size=len(prompts), prefill_batch_size=len(prompts)
+    )
     uids = generator.insert(prompts, [max_tokens] * len(prompts))
     outputs = {uid: [] for uid in uids}
     while responses := generator.next_generated():
@@ -205,7 +221,16 @@ def redrafter_run(redrafter, prompts, max_tokens, choose, eos, config: Config, p
     mx.reset_peak_memory()
     outputs, steps, step_tokens, step_nodes = [[] for _ in prompts], 0, 0, 0
     tic = time.perf_counter()
-    for step in generate_steps(redrafter, prompts, max_tokens=max_tokens, draft=config.draft, choose=choose, eos_token_ids=eos, profile=profile, cost_curve=curve):
+    for step in generate_steps(
+        redrafter,
+        prompts,
+        max_tokens=max_tokens,
+        draft=config.draft,
+        choose=choose,
+        eos_token_ids=eos,
+        profile=profile,
+        cost_curve=curve,
+    ):
         for out in step:
             outputs[out.row] += out.tokens
             if out.num_accepted is not None:
@@ -249,8 +274,15 @@ def run_benchmark(
     tick = progress or (lambda what: None)
     # Each configuration has its own acceptance history (lookup: no drafter).
     used = {
-        c.name: ReDrafter(redrafter.base, redrafter.drafter, redrafter.identity, redrafter.drafter_identity, datastore=redrafter.datastore)
-        if c.name != "lookup" else ReDrafter(redrafter.base, None, redrafter.identity)
+        c.name: ReDrafter(
+            redrafter.base,
+            redrafter.drafter,
+            redrafter.identity,
+            redrafter.drafter_identity,
+            datastore=redrafter.datastore,
+        )
+        if c.name != "lookup"
+        else ReDrafter(redrafter.base, None, redrafter.identity)
         for c in configs
     }
     # Warm-up: compile kernels and fill allocator caches for every path.
@@ -315,9 +347,21 @@ def default_report_path(now=None) -> str:
     return f"bench-{stamp}.json"
 
 
-def bench_command(redrafter: ReDrafter, tokenizer, texts: list, configs: list, choose: Chooser, used: dict, *, ranks: Ranks = ONE_PROCESS,
-                  refresh: bool = False, json_path: Optional[str] = None, plot: Optional[str] = None, profile: bool = False,
-                  write=print) -> list:
+def bench_command(
+    redrafter: ReDrafter,
+    tokenizer,
+    texts: list,
+    configs: list,
+    choose: Chooser,
+    used: dict,
+    *,
+    ranks: Ranks = ONE_PROCESS,
+    refresh: bool = False,
+    json_path: Optional[str] = None,
+    plot: Optional[str] = None,
+    profile: bool = False,
+    write=print,
+) -> list:
     """``redrafter-mlx bench``: the machine and its cost curve, a progress
     bar over every run, a line per batch, the table, and the results saved
     as JSON (to ``json_path``, else a dated file in the working folder);
@@ -334,8 +378,10 @@ def bench_command(redrafter: ReDrafter, tokenizer, texts: list, configs: list, c
         raise UserError("the rnn and both configurations need a drafter")
     batch_size = used["batch_size"]
     env = dict(environment(redrafter), ranks=ranks.size, split=ranks.split)
-    write(f"device {env['device']}, BLAS {env['blas']}, dtype {env['dtype']}, mlx {env['mlx']}, mlx-lm {env['mlx_lm']}"
-          + (f", {ranks.size} ranks ({ranks.split})" if ranks.several else ""))
+    write(
+        f"device {env['device']}, BLAS {env['blas']}, dtype {env['dtype']}, mlx {env['mlx']}, mlx-lm {env['mlx_lm']}"
+        + (f", {ranks.size} ranks ({ranks.split})" if ranks.several else "")
+    )
     prompts = [encode_prompt(tokenizer, t) for t in texts]
     curve = calibration(redrafter, min(batch_size, len(prompts)), refresh=refresh)
     write(format_curve(curve))
@@ -343,8 +389,15 @@ def bench_command(redrafter: ReDrafter, tokenizer, texts: list, configs: list, c
     total = count_runs(num_batches, len(configs), used["repeats"])
     with tqdm(total=total, unit="run", desc="bench", file=sys.stderr, disable=not writer) as bar:
         results = run_benchmark(
-            redrafter, prompts, configs, max_tokens=used["max_tokens"], batch_size=batch_size, repeats=used["repeats"],
-            choose=choose, eos=list(tokenizer.eos_token_ids), curve=curve,
+            redrafter,
+            prompts,
+            configs,
+            max_tokens=used["max_tokens"],
+            batch_size=batch_size,
+            repeats=used["repeats"],
+            choose=choose,
+            eos=list(tokenizer.eos_token_ids),
+            curve=curve,
             progress=lambda what: (bar.set_postfix_str(what, refresh=False), bar.update(1)),
             batch_done=lambda b, runs: bar.write(batch_line(b, num_batches, runs), file=sys.stderr) if writer else None,
         )
@@ -356,7 +409,12 @@ def bench_command(redrafter: ReDrafter, tokenizer, texts: list, configs: list, c
         print(f"WARNING: ReDrafter output differs from plain decoding for {', '.join(mismatched)}", file=sys.stderr)
     if writer:
         path = json_path or default_report_path()
-        settings = dict(used, num_prompts=len(prompts), drafter_sha256=redrafter.drafter_identity or None, model_identity=redrafter.identity)
+        settings = dict(
+            used,
+            num_prompts=len(prompts),
+            drafter_sha256=redrafter.drafter_identity or None,
+            model_identity=redrafter.identity,
+        )
         try:
             with open(path, "w") as f:
                 json.dump(report(results, settings, env, curve), f, indent=2)
@@ -426,7 +484,9 @@ def format_curve(curve) -> str:
     if curve.long_seconds:
         long = ", ".join(f"{n}: {1000 * seconds:.2f} ms" for n, seconds in zip(curve.long_sizes, curve.long_seconds))
         lines.append(f"  the same behind {curve.long_context} tokens instead of {curve.context}: {long}")
-    lines.append(f"  a drafting step besides its pass: {1000 * curve.step_seconds:.2f} ms; a plain token: {1000 * curve.plain:.2f} ms")
+    lines.append(
+        f"  a drafting step besides its pass: {1000 * curve.step_seconds:.2f} ms; a plain token: {1000 * curve.plain:.2f} ms"
+    )
     if curve.draft_seconds:
         lines.append(f"  RNN beam search: {1000 * curve.draft_seconds:.2f} ms")
     return "\n".join(lines)
@@ -459,7 +519,15 @@ def plot_speedups(results: list[ConfigResult], path: str, title: str) -> None:
 def report(results: list[ConfigResult], settings: dict, env: dict, curve=None) -> dict:
     out = {"environment": env, "settings": settings, "results": [r.summary() for r in results]}
     if curve is not None:
-        out["cost_curve"] = {"sizes": curve.sizes, "seconds": curve.seconds, "draft_seconds": curve.draft_seconds,
-                             "step_seconds": curve.step_seconds, "plain_seconds": curve.plain, "context": curve.context,
-                             "long_context": curve.long_context, "long_sizes": curve.long_sizes, "long_seconds": curve.long_seconds}
+        out["cost_curve"] = {
+            "sizes": curve.sizes,
+            "seconds": curve.seconds,
+            "draft_seconds": curve.draft_seconds,
+            "step_seconds": curve.step_seconds,
+            "plain_seconds": curve.plain,
+            "context": curve.context,
+            "long_context": curve.long_context,
+            "long_sizes": curve.long_sizes,
+            "long_seconds": curve.long_seconds,
+        }
     return out

@@ -14,7 +14,13 @@ from .api import encode_prompt, stream_steps
 # local chat apps do.
 CHAT_SAMPLING = {"temp": 0.7, "top_p": 0.9}
 # generation_config.json's sampling fields, as SamplingSettings names them.
-GENERATION_CONFIG_FIELDS = {"temperature": "temp", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p", "repetition_penalty": "repetition_penalty"}
+GENERATION_CONFIG_FIELDS = {
+    "temperature": "temp",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+}
 
 HELP = "Commands: /help lists them, /reset clears the conversation, /stats shows speed figures, /quit (or exit, quit, Ctrl-D) leaves. Ctrl-C stops an answer."
 QUIT = ("/quit", "/exit", "exit", "quit")
@@ -25,7 +31,9 @@ def chat_sampling(recommended: dict, **given) -> SamplingSettings:
     for the rest, the model's recommendation when it ships one
     (``recommended``: its generation_config.json, where ``do_sample`` false
     recommends greedy decoding), else ``CHAT_SAMPLING``."""
-    model = {field: recommended[key] for key, field in GENERATION_CONFIG_FIELDS.items() if recommended.get(key) is not None}
+    model = {
+        field: recommended[key] for key, field in GENERATION_CONFIG_FIELDS.items() if recommended.get(key) is not None
+    }
     if recommended.get("do_sample") is False:
         model = {"temp": 0.0}
     defaults = model or CHAT_SAMPLING
@@ -71,14 +79,20 @@ def answer(
     tic = time.perf_counter()
     try:
         prompt_ids = encode_prompt(tokenizer, messages)
-        for response in stream_steps(redrafter, tokenizer, prompt_ids, max_tokens, prompt_cache=prompt_cache, **generation):
+        for response in stream_steps(
+            redrafter, tokenizer, prompt_ids, max_tokens, prompt_cache=prompt_cache, **generation
+        ):
             if stop is not None and stop.is_set():
                 raise KeyboardInterrupt
             if response.num_accepted is None:
                 stats.first_token_seconds, stats.cached_tokens = time.perf_counter() - tic, response.cached_tokens
             write(response.text)
             text += response.text
-            stats.tokens, stats.steps, stats.step_tokens = response.generation_tokens, response.steps, response.step_tokens
+            stats.tokens, stats.steps, stats.step_tokens = (
+                response.generation_tokens,
+                response.steps,
+                response.step_tokens,
+            )
             stats.finish_reason = response.finish_reason or ""
     except KeyboardInterrupt:
         interrupted = True
@@ -86,8 +100,17 @@ def answer(
     return text, stats, interrupted
 
 
-def chat_loop(redrafter, tokenizer, max_tokens: int, system_prompt=None, read=input, write=print, prompt_log=None, dim=lambda text: text,
-              **generation) -> None:
+def chat_loop(
+    redrafter,
+    tokenizer,
+    max_tokens: int,
+    system_prompt=None,
+    read=input,
+    write=print,
+    prompt_log=None,
+    dim=lambda text: text,
+    **generation,
+) -> None:
     """Read a message, stream the answer, repeat; see HELP. With
     ``prompt_log`` (a ``PromptLog``), each conversation answered is logged.
     A line starting with ``/`` is a command, never a message; ``exit`` or

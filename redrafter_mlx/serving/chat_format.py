@@ -64,12 +64,32 @@ class TurnFormat:
         return text + self.opening.format(role=self.roles["assistant"])
 
 
-GEMMA_TURNS = TurnFormat("Gemma turns", "<start_of_turn>{role}\n", "<end_of_turn>\n", {"user": "user", "assistant": "model"},
-                         "<end_of_turn>", True, ("<start_of_turn>", "<end_of_turn>"))
-CHATML = TurnFormat("ChatML", "<|im_start|>{role}\n", "<|im_end|>\n", {"system": "system", "user": "user", "assistant": "assistant"},
-                    "<|im_end|>", True, ("<|im_start|>", "<|im_end|>"))
-PLAIN_TURNS = TurnFormat("plain User:/Assistant: text", "{role}: ", "\n\n", {"system": "System", "user": "User", "assistant": "Assistant"},
-                         "\nUser:", False)
+GEMMA_TURNS = TurnFormat(
+    "Gemma turns",
+    "<start_of_turn>{role}\n",
+    "<end_of_turn>\n",
+    {"user": "user", "assistant": "model"},
+    "<end_of_turn>",
+    True,
+    ("<start_of_turn>", "<end_of_turn>"),
+)
+CHATML = TurnFormat(
+    "ChatML",
+    "<|im_start|>{role}\n",
+    "<|im_end|>\n",
+    {"system": "system", "user": "user", "assistant": "assistant"},
+    "<|im_end|>",
+    True,
+    ("<|im_start|>", "<|im_end|>"),
+)
+PLAIN_TURNS = TurnFormat(
+    "plain User:/Assistant: text",
+    "{role}: ",
+    "\n\n",
+    {"system": "System", "user": "User", "assistant": "Assistant"},
+    "\nUser:",
+    False,
+)
 TURN_FORMATS = (GEMMA_TURNS, CHATML)
 
 
@@ -81,14 +101,48 @@ TURN_FORMATS = (GEMMA_TURNS, CHATML)
 # transformers' template environment and of Jinja's. The arguments are
 # only values the template reads; none of their text is ever rendered as
 # a template.
-RESERVED_TEMPLATE_NAMES = frozenset({
-    "messages", "conversation", "conversations", "tools", "documents", "add_generation_prompt", "continue_final_message",
-    "chat_template", "tokenize", "sanitize_control_tokens", "padding", "truncation", "max_length", "return_tensors",
-    "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs", "processor_kwargs", "kwargs",
-    "bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token",
-    "additional_special_tokens", "extra_special_tokens",
-    "raise_exception", "strftime_now", "dict", "namespace", "range", "lipsum", "cycler", "joiner", "loop", "self",
-})
+RESERVED_TEMPLATE_NAMES = frozenset(
+    {
+        "messages",
+        "conversation",
+        "conversations",
+        "tools",
+        "documents",
+        "add_generation_prompt",
+        "continue_final_message",
+        "chat_template",
+        "tokenize",
+        "sanitize_control_tokens",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+        "processor_kwargs",
+        "kwargs",
+        "bos_token",
+        "eos_token",
+        "unk_token",
+        "sep_token",
+        "pad_token",
+        "cls_token",
+        "mask_token",
+        "additional_special_tokens",
+        "extra_special_tokens",
+        "raise_exception",
+        "strftime_now",
+        "dict",
+        "namespace",
+        "range",
+        "lipsum",
+        "cycler",
+        "joiner",
+        "loop",
+        "self",
+    }
+)
 
 
 def turn_format(tokenizer) -> TurnFormat:
@@ -132,7 +186,9 @@ class ChatRenderer:
         self.tokenizer = tokenizer
         self.native: Optional[ToolFormat] = native_tools(tokenizer)
         self.tools: ToolFormat = self.native or GENERIC_TOOLS
-        self.turns: Optional[TurnFormat] = None if getattr(tokenizer, "has_chat_template", False) else turn_format(tokenizer)
+        self.turns: Optional[TurnFormat] = (
+            None if getattr(tokenizer, "has_chat_template", False) else turn_format(tokenizer)
+        )
         turns = self.turns
         self.stop_tokens: tuple = (tokenizer.get_vocab()[turns.stop],) if turns and turns.stop_is_token else ()
         self.stop_strings: tuple = (turns.stop,) if turns and not turns.stop_is_token else ()
@@ -177,11 +233,15 @@ class ChatRenderer:
             first_error = e
         # A template that takes a system message only first gets them joined;
         # one that takes none gets them at the head of the first user message.
-        for fold in (fold_system if any(m["role"] == "system" for m in messages[1:]) else None,
-                     system_in_first_user if any(m["role"] == "system" for m in messages) else None):
+        for fold in (
+            fold_system if any(m["role"] == "system" for m in messages[1:]) else None,
+            system_in_first_user if any(m["role"] == "system" for m in messages) else None,
+        ):
             if fold is not None:
                 try:
-                    return apply(template_messages(fold(messages)), tokenize=False, add_generation_prompt=True, **options)
+                    return apply(
+                        template_messages(fold(messages)), tokenize=False, add_generation_prompt=True, **options
+                    )
                 except Exception:
                     pass
         raise UserError(f"the chat template refused the conversation ({first_error})")

@@ -78,7 +78,10 @@ UNSUPPORTED = {"max_kv_size": None, "kv_bits": None, "input_embeddings": None, "
 IGNORED = ("kv_group_size", "quantized_kv_start", "num_draft_tokens", "stream")  # meaningful only with the above
 
 
-def options(kwargs: dict, allowed=("sampler", "logits_processors", "prompt_cache", "prefill_step_size", "prompt_progress_callback", "draft")) -> Options:
+def options(
+    kwargs: dict,
+    allowed=("sampler", "logits_processors", "prompt_cache", "prefill_step_size", "prompt_progress_callback", "draft"),
+) -> Options:
     """``Options`` from mlx-lm's keyword arguments: one clear error for an
     argument ReDrafter does not support or does not know."""
     given = dict(kwargs)
@@ -162,8 +165,16 @@ def stream_generate(
     detokenizer = tokenizer.detokenizer
     detokenizer.reset()
     progress(0, len(ids))
-    running = generate_steps(redrafter, [sequence], max_tokens=limit, draft=chosen.draft, choose=choose, eos_token_ids=tokenizer.eos_token_ids,
-                             prefill_step_size=chosen.prefill_step_size, prompt_caches=None if cache is None else [cache])
+    running = generate_steps(
+        redrafter,
+        [sequence],
+        max_tokens=limit,
+        draft=chosen.draft,
+        choose=choose,
+        eos_token_ids=tokenizer.eos_token_ids,
+        prefill_step_size=chosen.prefill_step_size,
+        prompt_caches=None if cache is None else [cache],
+    )
     tic = time.perf_counter()
     prompt_tps, produced, steps, step_tokens, generated = 0.0, 0, 0, 0, []
     for (out,) in running:
@@ -182,20 +193,38 @@ def stream_generate(
             if last:
                 detokenizer.finalize()
             yield GenerationResponse(
-                text=detokenizer.last_segment, token=token, logprobs=None if distributions is None else distributions[i],
-                from_draft=out.num_accepted is not None and i < out.num_accepted, prompt_tokens=len(ids), prompt_tps=prompt_tps,
-                generation_tokens=produced, generation_tps=produced / max(time.perf_counter() - tic, 1e-9),
-                peak_memory=mx.get_peak_memory() / 1e9, finish_reason="length" if last else None,
-                steps=steps, step_tokens=step_tokens, cached_tokens=cached,
+                text=detokenizer.last_segment,
+                token=token,
+                logprobs=None if distributions is None else distributions[i],
+                from_draft=out.num_accepted is not None and i < out.num_accepted,
+                prompt_tokens=len(ids),
+                prompt_tps=prompt_tps,
+                generation_tokens=produced,
+                generation_tps=produced / max(time.perf_counter() - tic, 1e-9),
+                peak_memory=mx.get_peak_memory() / 1e9,
+                finish_reason="length" if last else None,
+                steps=steps,
+                step_tokens=step_tokens,
+                cached_tokens=cached,
             )
         if out.finish_reason == "stop":
             produced += 1
             generated.append(out.stop_token)
             detokenizer.finalize()
             yield GenerationResponse(
-                text=detokenizer.last_segment, token=out.stop_token, logprobs=None, from_draft=False, prompt_tokens=len(ids),
-                prompt_tps=prompt_tps, generation_tokens=produced, generation_tps=produced / max(time.perf_counter() - tic, 1e-9),
-                peak_memory=mx.get_peak_memory() / 1e9, finish_reason="stop", steps=steps, step_tokens=step_tokens, cached_tokens=cached,
+                text=detokenizer.last_segment,
+                token=out.stop_token,
+                logprobs=None,
+                from_draft=False,
+                prompt_tokens=len(ids),
+                prompt_tps=prompt_tps,
+                generation_tokens=produced,
+                generation_tps=produced / max(time.perf_counter() - tic, 1e-9),
+                peak_memory=mx.get_peak_memory() / 1e9,
+                finish_reason="stop",
+                steps=steps,
+                step_tokens=step_tokens,
+                cached_tokens=cached,
             )
     if cache is not None:
         conversation = sequence + generated
@@ -267,9 +296,17 @@ def batch_generate(
     sequences = [continued(c, [int(t) for t in p]) for c, p in zip(caches, prompts)]
     limits = [token_limit(redrafter, m, s) for m, s in zip(limits, sequences)]
     # New caches, so that the given ones stay as they are (they share arrays, never change them).
-    working = [PromptCache(c.tokens, c.keys, c.values, c.model) if c is not None else PromptCache() if return_prompt_caches else None
-               for c in caches]
-    choose = AppSampler(chosen.sampler, chosen.logits_processors, starts=[len(s) - len(p) for s, p in zip(sequences, prompts)])
+    working = [
+        PromptCache(c.tokens, c.keys, c.values, c.model)
+        if c is not None
+        else PromptCache()
+        if return_prompt_caches
+        else None
+        for c in caches
+    ]
+    choose = AppSampler(
+        chosen.sampler, chosen.logits_processors, starts=[len(s) - len(p) for s, p in zip(sequences, prompts)]
+    )
     if return_logprobs:
         choose.logprobs_wanted = 0
     tokens, logprobs, ends = [[] for _ in prompts], [[] for _ in prompts], [[] for _ in prompts]
@@ -278,9 +315,17 @@ def batch_generate(
     for first in range(0, len(prompts), batch_size):
         rows = range(first, min(first + batch_size, len(prompts)))
         tic = time.perf_counter()
-        running = generate_steps(redrafter, [sequences[i] for i in rows], max_tokens=[limits[i] for i in rows], draft=chosen.draft,
-                                 choose=choose, eos_token_ids=tokenizer.eos_token_ids, prefill_step_size=chosen.prefill_step_size,
-                                 row_ids=rows, prompt_caches=[working[i] for i in rows])
+        running = generate_steps(
+            redrafter,
+            [sequences[i] for i in rows],
+            max_tokens=[limits[i] for i in rows],
+            draft=chosen.draft,
+            choose=choose,
+            eos_token_ids=tokenizer.eos_token_ids,
+            prefill_step_size=chosen.prefill_step_size,
+            row_ids=rows,
+            prompt_caches=[working[i] for i in rows],
+        )
         for n, outputs in enumerate(running):
             if n == 0:  # the prompts' first tokens
                 stats.prompt_time += time.perf_counter() - tic
@@ -292,7 +337,10 @@ def batch_generate(
                 ends[i] = [out.stop_token] if out.finish_reason == "stop" else []
                 logprobs[i] += [chosen_logprob for chosen_logprob, _ in out.logprobs or ()]
                 if out.finish_reason is not None and verbose:
-                    print(f"[batch_generate] Finished processing {sum(1 for t in tokens if t)}/{len(prompts)} ...", end="\r")
+                    print(
+                        f"[batch_generate] Finished processing {sum(1 for t in tokens if t)}/{len(prompts)} ...",
+                        end="\r",
+                    )
     stats.wall_time = time.perf_counter() - start
     stats.decode_time = stats.wall_time - stats.prompt_time
     stats.generation_tokens = sum(map(len, tokens))
@@ -304,7 +352,14 @@ def batch_generate(
     if verbose:
         print(f"[batch_generate] Finished processing {len(prompts)}/{len(prompts)}")
         print(f"[batch_generate] Prompt: {stats.prompt_tokens} tokens, {stats.prompt_tps:.3f} tokens-per-sec")
-        print(f"[batch_generate] Generation: {stats.generation_tokens} tokens, {stats.generation_tps:.3f} tokens-per-sec")
+        print(
+            f"[batch_generate] Generation: {stats.generation_tokens} tokens, {stats.generation_tps:.3f} tokens-per-sec"
+        )
         print(f"[batch_generate] Peak memory: {stats.peak_memory:.3f} GB")
-    return BatchResponse(texts, stats, working if return_prompt_caches else None, tokens if return_token_ids else None,
-                         logprobs if return_logprobs else None)
+    return BatchResponse(
+        texts,
+        stats,
+        working if return_prompt_caches else None,
+        tokens if return_token_ids else None,
+        logprobs if return_logprobs else None,
+    )

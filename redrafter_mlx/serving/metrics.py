@@ -54,7 +54,11 @@ class Metrics:
             lines += [f"{PREFIX}_{name}{_labels(labels)} {_number(v)}" for labels, v in rows]
         current = gauges()
         for name, help_text in GAUGES.items():
-            lines += [f"# HELP {PREFIX}_{name} {help_text}", f"# TYPE {PREFIX}_{name} gauge", f"{PREFIX}_{name} {_number(current.get(name, 0))}"]
+            lines += [
+                f"# HELP {PREFIX}_{name} {help_text}",
+                f"# TYPE {PREFIX}_{name} gauge",
+                f"{PREFIX}_{name} {_number(current.get(name, 0))}",
+            ]
         return "\n".join(lines) + "\n"
 
 

@@ -9,7 +9,22 @@ from typing import Optional
 
 from ..engine.sampling import SamplingSettings
 from .answer import KEEP_ALIVE, Answer, Part
-from .requests import BadRequest, Context, Job, check_context, flag, forcing, max_tokens, number, render, sampling, stop_strings, template_kwargs, tool_choice, tool_list
+from .requests import (
+    BadRequest,
+    Context,
+    Job,
+    check_context,
+    flag,
+    forcing,
+    max_tokens,
+    number,
+    render,
+    sampling,
+    stop_strings,
+    template_kwargs,
+    tool_choice,
+    tool_list,
+)
 from .scheduler import Request
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
@@ -24,7 +39,9 @@ def error_body(message: str, status: int, param: Optional[str] = None, code: Opt
 def _text(content, where: str) -> Optional[str]:
     if content is None or isinstance(content, str):
         return content
-    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+    if isinstance(content, list) and all(
+        isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
+    ):
         return "".join(p["text"] for p in content)
     raise BadRequest(f"'{where}.content' must be a string or a list of text parts", "messages")
 
@@ -44,10 +61,16 @@ def conversation(body: dict) -> list:
         calls = message.get("tool_calls")
         if calls is not None:
             ok = isinstance(calls, list) and all(
-                isinstance(c, dict) and isinstance(c.get("function"), dict) and isinstance(c["function"].get("name"), str) for c in calls
+                isinstance(c, dict)
+                and isinstance(c.get("function"), dict)
+                and isinstance(c["function"].get("name"), str)
+                for c in calls
             )
             if not ok or message["role"] != "assistant":
-                raise BadRequest(f"'{where}.tool_calls' must be an assistant's list of {{\"id\", \"type\", \"function\": {{\"name\", \"arguments\"}}}}", "messages")
+                raise BadRequest(
+                    f'\'{where}.tool_calls\' must be an assistant\'s list of {{"id", "type", "function": {{"name", "arguments"}}}}',
+                    "messages",
+                )
             checked["tool_calls"] = calls
         for key in ("tool_call_id", "name"):
             if isinstance(message.get(key), str):
@@ -87,15 +110,23 @@ def parse_completion(body: dict, ctx: Context) -> Job:
     return _job(body, ctx, prompt, settings, "completion", prompt, None, top)
 
 
-def _job(body: dict, ctx: Context, prompt: list, settings: SamplingSettings, kind: str, logged: list, tools, top) -> Job:
+def _job(
+    body: dict, ctx: Context, prompt: list, settings: SamplingSettings, kind: str, logged: list, tools, top
+) -> Job:
     if number(body, "n", 1, integer=True) != 1:
         raise BadRequest("only 'n' = 1 is supported", "n")
     options = body.get("stream_options") or {}
     if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
         raise BadRequest("'stream_options' must be an object with a boolean 'include_usage'", "stream_options")
     return Job(
-        Request(prompt, max_tokens(body, ctx), settings), kind, stop_strings(body.get("stop")), flag(body, "stream"),
-        options.get("include_usage", False), logged, tools, top,
+        Request(prompt, max_tokens(body, ctx), settings),
+        kind,
+        stop_strings(body.get("stop")),
+        flag(body, "stream"),
+        options.get("include_usage", False),
+        logged,
+        tools,
+        top,
     )
 
 
@@ -110,7 +141,8 @@ class OpenAIAnswer:
     def usage(self) -> dict:
         a = self.answer
         return {
-            "prompt_tokens": a.prompt_tokens, "completion_tokens": a.completion_tokens,
+            "prompt_tokens": a.prompt_tokens,
+            "completion_tokens": a.completion_tokens,
             "total_tokens": a.prompt_tokens + a.completion_tokens,
             "prompt_tokens_details": {"cached_tokens": a.cached_tokens},
         }
@@ -124,11 +156,16 @@ class OpenAIAnswer:
             return None
         decode = self.answer.tokenizer.decode
         if self.chat:
+
             def entry(token, logprob):
                 text = decode([token])
                 return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8", "replace"))}
 
-            return {"content": [dict(entry(t, lp), top_logprobs=[entry(i, v) for i, v in top]) for t, lp, top in part.logprobs]}
+            return {
+                "content": [
+                    dict(entry(t, lp), top_logprobs=[entry(i, v) for i, v in top]) for t, lp, top in part.logprobs
+                ]
+            }
         return {
             "tokens": [decode([t]) for t, _, _ in part.logprobs],
             "token_logprobs": [lp for _, lp, _ in part.logprobs],
@@ -138,7 +175,11 @@ class OpenAIAnswer:
     def _calls(self, calls: list, streaming: bool, first: int = 0) -> list:
         made = []
         for index, call in enumerate(calls, first):
-            entry = {"id": call["id"], "type": "function", "function": {"name": call["name"], "arguments": call["arguments"]}}
+            entry = {
+                "id": call["id"],
+                "type": "function",
+                "function": {"name": call["name"], "arguments": call["arguments"]},
+            }
             made.append(dict(entry, index=index) if streaming else entry)
         return made
 
@@ -152,7 +193,12 @@ class OpenAIAnswer:
             message = {"role": "assistant", "content": part.text or (None if a.calls else "")}
             if a.calls:
                 message["tool_calls"] = self._calls(a.calls, False)
-            choice = {"index": 0, "message": message, "finish_reason": a.finish_reason, "logprobs": self._logprobs(part)}
+            choice = {
+                "index": 0,
+                "message": message,
+                "finish_reason": a.finish_reason,
+                "logprobs": self._logprobs(part),
+            }
         else:
             choice = {"index": 0, "text": part.text, "finish_reason": a.finish_reason, "logprobs": self._logprobs(part)}
         return 200, dict(self._envelope(False), choices=[choice], usage=self.usage(), redrafter=a.extension())
@@ -167,23 +213,61 @@ class OpenAIAnswer:
             return f"data: {json.dumps(data)}\n\n"
 
         if self.chat:
-            yield event(dict(self._envelope(True), choices=[{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None, "logprobs": None}]))
+            yield event(
+                dict(
+                    self._envelope(True),
+                    choices=[
+                        {
+                            "index": 0,
+                            "delta": {"role": "assistant", "content": ""},
+                            "finish_reason": None,
+                            "logprobs": None,
+                        }
+                    ],
+                )
+            )
         calls = 0
         async for part in self.answer.parts(request, keep_alive):
             if part is KEEP_ALIVE:
                 yield ": keep-alive\n\n"
                 continue
             if not self.chat:
-                yield event(dict(self._envelope(True), choices=[{"index": 0, "text": part.text, "finish_reason": None, "logprobs": self._logprobs(part)}]))
+                yield event(
+                    dict(
+                        self._envelope(True),
+                        choices=[
+                            {"index": 0, "text": part.text, "finish_reason": None, "logprobs": self._logprobs(part)}
+                        ],
+                    )
+                )
                 continue
             if part.text or part.logprobs:
                 delta = {"content": part.text} if part.text else {}
-                yield event(dict(self._envelope(True), choices=[{"index": 0, "delta": delta, "finish_reason": None, "logprobs": self._logprobs(part)}]))
+                yield event(
+                    dict(
+                        self._envelope(True),
+                        choices=[{"index": 0, "delta": delta, "finish_reason": None, "logprobs": self._logprobs(part)}],
+                    )
+                )
             for call in self._calls(part.calls, True, calls):
                 opening = dict(call, function={"name": call["function"]["name"], "arguments": ""})
-                yield event(dict(self._envelope(True), choices=[{"index": 0, "delta": {"tool_calls": [opening]}, "finish_reason": None, "logprobs": None}]))
+                yield event(
+                    dict(
+                        self._envelope(True),
+                        choices=[
+                            {"index": 0, "delta": {"tool_calls": [opening]}, "finish_reason": None, "logprobs": None}
+                        ],
+                    )
+                )
                 arguments = {"index": call["index"], "function": {"arguments": call["function"]["arguments"]}}
-                yield event(dict(self._envelope(True), choices=[{"index": 0, "delta": {"tool_calls": [arguments]}, "finish_reason": None, "logprobs": None}]))
+                yield event(
+                    dict(
+                        self._envelope(True),
+                        choices=[
+                            {"index": 0, "delta": {"tool_calls": [arguments]}, "finish_reason": None, "logprobs": None}
+                        ],
+                    )
+                )
             calls += len(part.calls)
         a = self.answer
         if a.error is not None:
@@ -191,7 +275,11 @@ class OpenAIAnswer:
             return
         if a.finish_reason is None:
             return  # the client went away
-        final = {"index": 0, "delta": {}, "finish_reason": a.finish_reason, "logprobs": None} if self.chat else {"index": 0, "text": "", "finish_reason": a.finish_reason, "logprobs": None}
+        final = (
+            {"index": 0, "delta": {}, "finish_reason": a.finish_reason, "logprobs": None}
+            if self.chat
+            else {"index": 0, "text": "", "finish_reason": a.finish_reason, "logprobs": None}
+        )
         yield event(dict(self._envelope(True), choices=[final], redrafter=a.extension()))
         if a.job.include_usage:
             yield event(dict(self._envelope(True), choices=[], usage=self.usage()))

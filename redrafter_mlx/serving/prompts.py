@@ -28,12 +28,21 @@ def _parse(record) -> Optional[Prompt]:
     if isinstance(record.get("prompt"), str):
         return record["prompt"]
     messages = record.get("messages")
-    if isinstance(messages, list) and messages and all(
-        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages
+    if (
+        isinstance(messages, list)
+        and messages
+        and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in messages
+        )
     ):
         return [{"role": m["role"], "content": m["content"]} for m in messages]
     tokens = record.get("tokens")
-    if isinstance(tokens, list) and tokens and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in tokens):
+    if (
+        isinstance(tokens, list)
+        and tokens
+        and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in tokens)
+    ):
         return tokens
     return None
 

@@ -81,7 +81,9 @@ def number(body: dict, name: str, default, low=None, high=None, integer=False, l
     if isinstance(value, bool) or not isinstance(value, kinds):
         raise BadRequest(f"'{name}' must be {'an integer' if integer else 'a number'}, got {json.dumps(value)}", name)
     if (low is not None and (value < low or (low_open and value == low))) or (high is not None and value > high):
-        bounds = f"{'>' if low_open else '>='} {low}" if high is None else f"in {'(' if low_open else '['}{low}, {high}]"
+        bounds = (
+            f"{'>' if low_open else '>='} {low}" if high is None else f"in {'(' if low_open else '['}{low}, {high}]"
+        )
         raise BadRequest(f"'{name}' must be {bounds}, got {value}", name)
     return value
 
@@ -117,7 +119,14 @@ def logit_bias(value, vocab_size: int) -> dict:
     return table
 
 
-def sampling(body: dict, ctx: Context, temperature: float = 0.0, logprobs: Optional[int] = None, forced: tuple = (), prompt_length: int = 0) -> SamplingSettings:
+def sampling(
+    body: dict,
+    ctx: Context,
+    temperature: float = 0.0,
+    logprobs: Optional[int] = None,
+    forced: tuple = (),
+    prompt_length: int = 0,
+) -> SamplingSettings:
     """The sampling fields mlx_lm.server takes (``temperature``: its default
     here), as ``SamplingSettings``."""
     seed = number(body, "seed", None, integer=True)
@@ -136,7 +145,8 @@ def sampling(body: dict, ctx: Context, temperature: float = 0.0, logprobs: Optio
             frequency_context_size=number(body, "frequency_context_size", 20, low=1, integer=True),
             xtc_probability=number(body, "xtc_probability", 0.0, low=0, high=1),
             xtc_threshold=number(body, "xtc_threshold", 0.1, low=0, high=0.5),
-            xtc_special_tokens=tuple(ctx.tokenizer.encode("\n", add_special_tokens=False)) + tuple(ctx.renderer.eos_token_ids),
+            xtc_special_tokens=tuple(ctx.tokenizer.encode("\n", add_special_tokens=False))
+            + tuple(ctx.renderer.eos_token_ids),
             logit_bias=logit_bias(body.get("logit_bias"), ctx.vocab_size),
             forced=tuple(forced),
             forced_at=prompt_length,
@@ -162,7 +172,8 @@ def check_context(prompt: list, ctx: Context, param: str) -> None:
     if ctx.max_context and len(prompt) >= ctx.max_context:
         error = BadRequest(
             f"This model's maximum context length is {ctx.max_context} tokens. However, your messages resulted in {len(prompt)} tokens.",
-            param, code="context_length_exceeded",
+            param,
+            code="context_length_exceeded",
         )
         error.tokens, error.limit = len(prompt), ctx.max_context
         raise error
@@ -200,9 +211,14 @@ def template_kwargs(body: dict, ctx: Context) -> dict:
         raise BadRequest("'chat_template_kwargs' must be an object", param)
     for name in value:
         if not TEMPLATE_NAME.fullmatch(name):
-            raise BadRequest(f"'chat_template_kwargs' names must be identifiers (letters, digits, _), got {json.dumps(name)[:100]}", param)
+            raise BadRequest(
+                f"'chat_template_kwargs' names must be identifiers (letters, digits, _), got {json.dumps(name)[:100]}",
+                param,
+            )
         if name in ctx.renderer.reserved:
-            raise BadRequest(f"'chat_template_kwargs' may not set {name!r}, which the server gives the chat template itself", param)
+            raise BadRequest(
+                f"'chat_template_kwargs' may not set {name!r}, which the server gives the chat template itself", param
+            )
     if depth(value) > MAX_TEMPLATE_KWARGS_DEPTH:
         raise BadRequest(f"'chat_template_kwargs' nests over {MAX_TEMPLATE_KWARGS_DEPTH} levels deep", param)
     if len(json.dumps(value, ensure_ascii=False).encode()) > MAX_TEMPLATE_KWARGS_BYTES:
@@ -224,11 +240,16 @@ def tool_list(value) -> Optional[list]:
     if value is None:
         return None
     ok = isinstance(value, list) and all(
-        isinstance(t, dict) and t.get("type", "function") == "function" and isinstance(t.get("function"), dict)
-        and isinstance(t["function"].get("name"), str) for t in value
+        isinstance(t, dict)
+        and t.get("type", "function") == "function"
+        and isinstance(t.get("function"), dict)
+        and isinstance(t["function"].get("name"), str)
+        for t in value
     )
     if not ok:
-        raise BadRequest("'tools' must be a list of {\"type\": \"function\", \"function\": {\"name\": ..., \"parameters\": ...}}", "tools")
+        raise BadRequest(
+            '\'tools\' must be a list of {"type": "function", "function": {"name": ..., "parameters": ...}}', "tools"
+        )
     return value or None
 
 
@@ -243,12 +264,19 @@ def tool_choice(value, tools: Optional[list]) -> tuple:
         if not tools:
             raise BadRequest("'tool_choice' \"required\" needs 'tools'", "tool_choice")
         return True, None, True
-    if isinstance(value, dict) and isinstance(value.get("function"), dict) and isinstance(value["function"].get("name"), str):
+    if (
+        isinstance(value, dict)
+        and isinstance(value.get("function"), dict)
+        and isinstance(value["function"].get("name"), str)
+    ):
         name = value["function"]["name"]
         if not tools or name not in {t["function"]["name"] for t in tools}:
             raise BadRequest(f"'tool_choice' names {name!r}, which is not among 'tools'", "tool_choice")
         return True, name, True
-    raise BadRequest("'tool_choice' must be \"auto\", \"none\", \"required\" or {\"type\": \"function\", \"function\": {\"name\": ...}}", "tool_choice")
+    raise BadRequest(
+        '\'tool_choice\' must be "auto", "none", "required" or {"type": "function", "function": {"name": ...}}',
+        "tool_choice",
+    )
 
 
 def forcing(ctx: Context, required: bool, name: Optional[str]) -> tuple:

@@ -28,8 +28,22 @@ from typing import Optional
 
 from . import openai_api
 from .answer import KEEP_ALIVE, Answer, Part
-from .requests import (BadRequest, Context, Job, check_context, flag, forcing, max_tokens, number, render, sampling, stop_strings,
-                       template_kwargs, tool_choice as chat_tool_choice, tool_list as chat_tool_list)
+from .requests import (
+    BadRequest,
+    Context,
+    Job,
+    check_context,
+    flag,
+    forcing,
+    max_tokens,
+    number,
+    render,
+    sampling,
+    stop_strings,
+    template_kwargs,
+    tool_choice as chat_tool_choice,
+    tool_list as chat_tool_list,
+)
 from .scheduler import Request
 
 ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
@@ -73,7 +87,9 @@ def _text(content, where: str) -> str:
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise BadRequest(f"'{where}' must be a string or a list of {{\"type\": \"input_text\", \"text\": ...}} parts", "input")
+        raise BadRequest(
+            f'\'{where}\' must be a string or a list of {{"type": "input_text", "text": ...}} parts', "input"
+        )
     text = ""
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
@@ -82,9 +98,11 @@ def _text(content, where: str) -> str:
         elif kind == "refusal" and isinstance(part.get("refusal"), str):
             text += part["refusal"]
         elif isinstance(kind, str) and kind not in TEXT_PARTS:
-            raise BadRequest(f"'{where}[{j}]' is a {kind!r} part; this server takes text only ({', '.join(TEXT_PARTS)})", "input")
+            raise BadRequest(
+                f"'{where}[{j}]' is a {kind!r} part; this server takes text only ({', '.join(TEXT_PARTS)})", "input"
+            )
         else:
-            raise BadRequest(f"'{where}[{j}]' must be {{\"type\": \"input_text\", \"text\": a string}}", "input")
+            raise BadRequest(f'\'{where}[{j}]\' must be {{"type": "input_text", "text": a string}}', "input")
     return text
 
 
@@ -130,7 +148,9 @@ def conversation(body: dict) -> list:
     for i, item in enumerate(items):
         where = f"input[{i}]"
         if not isinstance(item, dict):
-            raise BadRequest(f"'{where}' must be an object (a message, function_call or function_call_output item)", "input")
+            raise BadRequest(
+                f"'{where}' must be an object (a message, function_call or function_call_output item)", "input"
+            )
         kind = item.get("type", "message")
         if kind == "message":
             if item.get("role") not in ROLES:
@@ -140,21 +160,43 @@ def conversation(body: dict) -> list:
             out.append({"role": ROLES[item["role"]], "content": _text(item["content"], f"{where}.content")})
         elif kind == "function_call":
             shown = ToolName(_string(item, "name", where), _namespace(item, where)).shown
-            _call({"id": _string(item, "call_id", where), "type": "function",
-                   "function": {"name": shown, "arguments": _string(item, "arguments", where)}}, out)
+            _call(
+                {
+                    "id": _string(item, "call_id", where),
+                    "type": "function",
+                    "function": {"name": shown, "arguments": _string(item, "arguments", where)},
+                },
+                out,
+            )
         elif kind == "custom_tool_call":
             arguments = json.dumps({"input": _string(item, "input", where)}, ensure_ascii=False)
             shown = ToolName(_string(item, "name", where), _namespace(item, where)).shown
-            _call({"id": _string(item, "call_id", where), "type": "function", "function": {"name": shown, "arguments": arguments}}, out)
+            _call(
+                {
+                    "id": _string(item, "call_id", where),
+                    "type": "function",
+                    "function": {"name": shown, "arguments": arguments},
+                },
+                out,
+            )
         elif kind in ("function_call_output", "custom_tool_call_output"):
             if "output" not in item:
                 raise BadRequest(f"'{where}' needs an 'output'", "input")
-            out.append({"role": "tool", "tool_call_id": _string(item, "call_id", where), "content": _text(item["output"], f"{where}.output")})
+            out.append(
+                {
+                    "role": "tool",
+                    "tool_call_id": _string(item, "call_id", where),
+                    "content": _text(item["output"], f"{where}.output"),
+                }
+            )
         elif kind == "reasoning":
             continue
         else:
-            raise BadRequest(f"'{where}' is an item of type {json.dumps(kind)}, which this server does not take; it takes message, "
-                             "function_call, function_call_output, custom_tool_call, custom_tool_call_output and reasoning items", "input")
+            raise BadRequest(
+                f"'{where}' is an item of type {json.dumps(kind)}, which this server does not take; it takes message, "
+                "function_call, function_call_output, custom_tool_call, custom_tool_call_output and reasoning items",
+                "input",
+            )
     return out
 
 
@@ -162,11 +204,20 @@ def _function(tool: dict, where: str, name: ToolName) -> dict:
     """One function or custom tool in the chat route's nested form, named as the model sees it."""
     if name.custom:
         description = tool.get("description") or ""
-        return {"type": "function", "function": {"name": name.shown, "description": description, "parameters": CUSTOM_PARAMETERS}}
+        return {
+            "type": "function",
+            "function": {"name": name.shown, "description": description, "parameters": CUSTOM_PARAMETERS},
+        }
     if not isinstance(tool.get("parameters", {}), (dict, type(None))):
         raise BadRequest(f"'{where}.parameters' must be a JSON schema object", "tools")
-    return {"type": "function", "function": {"name": name.shown, "description": tool.get("description") or "",
-                                             "parameters": tool.get("parameters") or {"type": "object", "properties": {}}}}
+    return {
+        "type": "function",
+        "function": {
+            "name": name.shown,
+            "description": tool.get("description") or "",
+            "parameters": tool.get("parameters") or {"type": "object", "properties": {}},
+        },
+    }
 
 
 def tool_list(value) -> tuple[Optional[list], dict, list]:
@@ -179,14 +230,19 @@ def tool_list(value) -> tuple[Optional[list], dict, list]:
     if value is None:
         return None, {}, []
     if not isinstance(value, list):
-        raise BadRequest("'tools' must be a list of {\"type\": \"function\", \"name\", \"description\", \"parameters\"}", "tools")
+        raise BadRequest(
+            '\'tools\' must be a list of {"type": "function", "name", "description", "parameters"}', "tools"
+        )
     out, names, left_out = [], {}, []
 
     def add(tool, where: str, namespace: Optional[str] = None) -> None:
         kind = tool.get("type") if isinstance(tool, dict) else None
         if kind not in ("function", "custom") or not isinstance(tool.get("name"), str):
-            raise BadRequest(f"'{where}' must be {{\"type\": \"function\", \"name\", \"description\", \"parameters\"}} "
-                             "(flat: not nested under \"function\" as in chat completions)", "tools")
+            raise BadRequest(
+                f'\'{where}\' must be {{"type": "function", "name", "description", "parameters"}} '
+                '(flat: not nested under "function" as in chat completions)',
+                "tools",
+            )
         name = ToolName(tool["name"], namespace, kind == "custom")
         if name.shown in names:
             raise BadRequest(f"'{where}' repeats the tool name {name.shown!r}", "tools")
@@ -198,7 +254,9 @@ def tool_list(value) -> tuple[Optional[list], dict, list]:
         kind = tool.get("type") if isinstance(tool, dict) else None
         if kind == "namespace":
             if not isinstance(tool.get("name"), str) or not isinstance(tool.get("tools"), list):
-                raise BadRequest(f"'{where}' must be {{\"type\": \"namespace\", \"name\", \"tools\": [function tools]}}", "tools")
+                raise BadRequest(
+                    f'\'{where}\' must be {{"type": "namespace", "name", "tools": [function tools]}}', "tools"
+                )
             for j, inner in enumerate(tool["tools"]):
                 add(inner, f"{where}.tools[{j}]", tool["name"])
         elif isinstance(kind, str) and kind not in ("function", "custom"):
@@ -224,7 +282,9 @@ def allowed_tools(choice, tools: Optional[list], names: dict) -> Optional[list]:
         return tools
     listed = choice.get("tools")
     if not isinstance(listed, list) or not all(isinstance(t, dict) for t in listed):
-        raise BadRequest("'tool_choice.tools' must be a list of tools, such as {\"type\": \"function\", \"name\": ...}", "tool_choice")
+        raise BadRequest(
+            '\'tool_choice.tools\' must be a list of tools, such as {"type": "function", "name": ...}', "tool_choice"
+        )
     allowed = set()
     for t in listed:
         name, namespace = t.get("name"), t.get("namespace")
@@ -245,7 +305,9 @@ def tool_choice(value):
         return {"type": "function", "function": {"name": value["name"]}}
     if isinstance(value, dict) and value.get("type") == "allowed_tools" and value.get("mode") in ("auto", "required"):
         return value["mode"]
-    raise BadRequest("'tool_choice' must be \"auto\", \"none\", \"required\" or {\"type\": \"function\", \"name\": ...}", "tool_choice")
+    raise BadRequest(
+        '\'tool_choice\' must be "auto", "none", "required" or {"type": "function", "name": ...}', "tool_choice"
+    )
 
 
 def _refuse_state(body: dict) -> None:
@@ -254,7 +316,10 @@ def _refuse_state(body: dict) -> None:
         if body.get(name) is not None:
             raise BadRequest(message, name)
     if flag(body, "background"):
-        raise BadRequest("'background' responses are not supported: this server keeps no responses; send the request without it", "background")
+        raise BadRequest(
+            "'background' responses are not supported: this server keeps no responses; send the request without it",
+            "background",
+        )
     flag(body, "store", True)  # taken, but nothing is kept: the answer says "store": false
 
 
@@ -263,9 +328,12 @@ def _text_format(value) -> None:
         return
     form = value.get("format") if isinstance(value, dict) else None
     if not isinstance(value, dict) or not (form is None or isinstance(form, dict)):
-        raise BadRequest("'text' must be an object such as {\"format\": {\"type\": \"text\"}}", "text")
+        raise BadRequest('\'text\' must be an object such as {"format": {"type": "text"}}', "text")
     if form is not None and form.get("type", "text") != "text":
-        raise BadRequest(f"'text.format' {json.dumps(form.get('type'))} is not supported: this server answers in plain text only", "text")
+        raise BadRequest(
+            f"'text.format' {json.dumps(form.get('type'))} is not supported: this server answers in plain text only",
+            "text",
+        )
 
 
 def _options(body: dict) -> None:
@@ -318,14 +386,33 @@ def parse_response(body: dict, ctx: Context) -> Job:
     metadata = body.get("metadata") or {}
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
         raise BadRequest("'metadata' must be an object of strings", "metadata")
-    sent = [t for t in body.get("tools") or [] if isinstance(t, dict) and t.get("type") in ("function", "custom", "namespace")]
+    sent = [
+        t
+        for t in body.get("tools") or []
+        if isinstance(t, dict) and t.get("type") in ("function", "custom", "namespace")
+    ]
     echo = {
-        "instructions": body.get("instructions"), "max_output_tokens": body.get("max_output_tokens"), "metadata": metadata,
-        "parallel_tool_calls": flag(body, "parallel_tool_calls", True), "tool_choice": body.get("tool_choice") or "auto",
-        "tools": sent, "top_logprobs": top, "names": names,
+        "instructions": body.get("instructions"),
+        "max_output_tokens": body.get("max_output_tokens"),
+        "metadata": metadata,
+        "parallel_tool_calls": flag(body, "parallel_tool_calls", True),
+        "tool_choice": body.get("tool_choice") or "auto",
+        "tools": sent,
+        "top_logprobs": top,
+        "names": names,
     }
-    return Job(Request(prompt, max_tokens(body, ctx, ("max_output_tokens",)), settings), "responses", stop_strings(body.get("stop")),
-               flag(body, "stream"), False, messages, tools if allowed else None, logprobs, left_out=left_out, echo=echo)
+    return Job(
+        Request(prompt, max_tokens(body, ctx, ("max_output_tokens",)), settings),
+        "responses",
+        stop_strings(body.get("stop")),
+        flag(body, "stream"),
+        False,
+        messages,
+        tools if allowed else None,
+        logprobs,
+        left_out=left_out,
+        echo=echo,
+    )
 
 
 def input_tokens(body: dict, ctx: Context) -> dict:
@@ -377,14 +464,28 @@ class Output:
         events = []
         if self.open is None:
             self.open = len(self.items)
-            item = {"type": "message", "id": f"msg_{secrets.token_hex(12)}", "role": "assistant", "status": "in_progress", "content": []}
+            item = {
+                "type": "message",
+                "id": f"msg_{secrets.token_hex(12)}",
+                "role": "assistant",
+                "status": "in_progress",
+                "content": [],
+            }
             self.items.append(item)
             events.append(("response.output_item.added", {"output_index": self.open, "item": dict(item, content=[])}))
             item["content"].append({"type": "output_text", "text": "", "annotations": [], "logprobs": []})
-            events.append(("response.content_part.added", self._where(part={"type": "output_text", "text": "", "annotations": [], "logprobs": []})))
+            events.append(
+                (
+                    "response.content_part.added",
+                    self._where(part={"type": "output_text", "text": "", "annotations": [], "logprobs": []}),
+                )
+            )
         logprobs = []
         if self.logprobs:
-            logprobs = [dict(self._entry(t, lp), top_logprobs=[self._entry(i, v) for i, v in top]) for t, lp, top in self.pending]
+            logprobs = [
+                dict(self._entry(t, lp), top_logprobs=[self._entry(i, v) for i, v in top])
+                for t, lp, top in self.pending
+            ]
         self.pending = []
         content = self.items[self.open]["content"][0]
         content["text"] += text
@@ -416,8 +517,14 @@ class Output:
         client gave the tool."""
         index = len(self.items)
         tool = self.names.get(call["name"], ToolName(call["name"]))
-        item = {"type": "function_call", "id": f"fc_{call['id'].removeprefix('call_')}", "call_id": call["id"], "name": tool.name,
-                "arguments": call["arguments"], "status": "completed"}
+        item = {
+            "type": "function_call",
+            "id": f"fc_{call['id'].removeprefix('call_')}",
+            "call_id": call["id"],
+            "name": tool.name,
+            "arguments": call["arguments"],
+            "status": "completed",
+        }
         if tool.namespace:
             item["namespace"] = tool.namespace
         where = {"item_id": item["id"], "output_index": index}
@@ -433,14 +540,20 @@ class Output:
             where["item_id"] = item["id"]
             self.items.append(item)
             return [
-                ("response.output_item.added", {"output_index": index, "item": dict(item, input="", status="in_progress")}),
+                (
+                    "response.output_item.added",
+                    {"output_index": index, "item": dict(item, input="", status="in_progress")},
+                ),
                 ("response.custom_tool_call_input.delta", dict(where, delta=item["input"])),
                 ("response.custom_tool_call_input.done", dict(where, input=item["input"])),
                 ("response.output_item.done", {"output_index": index, "item": dict(item)}),
             ]
         self.items.append(item)
         return [
-            ("response.output_item.added", {"output_index": index, "item": dict(item, arguments="", status="in_progress")}),
+            (
+                "response.output_item.added",
+                {"output_index": index, "item": dict(item, arguments="", status="in_progress")},
+            ),
             ("response.function_call_arguments.delta", dict(where, delta=call["arguments"])),
             ("response.function_call_arguments.done", dict(where, arguments=call["arguments"])),
             ("response.output_item.done", {"output_index": index, "item": dict(item)}),
@@ -459,24 +572,46 @@ class ResponsesAnswer:
     def _usage(self) -> dict:
         a = self.answer
         # cache_write_tokens (what a provider bills for storing a prompt) is 0: the prompt cache here is free.
-        return {"input_tokens": a.prompt_tokens, "input_tokens_details": {"cached_tokens": a.cached_tokens, "cache_write_tokens": 0},
-                "output_tokens": a.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
-                "total_tokens": a.prompt_tokens + a.completion_tokens}
+        return {
+            "input_tokens": a.prompt_tokens,
+            "input_tokens_details": {"cached_tokens": a.cached_tokens, "cache_write_tokens": 0},
+            "output_tokens": a.completion_tokens,
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": a.prompt_tokens + a.completion_tokens,
+        }
 
     def _response(self, status: str, error: Optional[dict] = None) -> dict:
         """The Response object; its output, usage and ``redrafter`` figures
         once the answer has ended (``status`` not "in_progress")."""
         echo, settings, done = self.answer.job.echo, self.answer.job.request.sampling, status != "in_progress"
         response = {
-            "id": self.id, "object": "response", "created_at": self.created, "status": status, "background": False,
-            "completed_at": int(time.time()) if status == "completed" else None, "error": error,
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created,
+            "status": status,
+            "background": False,
+            "completed_at": int(time.time()) if status == "completed" else None,
+            "error": error,
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
-            "instructions": echo["instructions"], "max_output_tokens": echo["max_output_tokens"], "max_tool_calls": None,
-            "metadata": echo["metadata"], "model": self.model, "output": list(self.output.items) if done else [],
-            "parallel_tool_calls": echo["parallel_tool_calls"], "previous_response_id": None, "reasoning": None,
-            "store": False, "temperature": settings.temp, "text": {"format": {"type": "text"}}, "tool_choice": echo["tool_choice"],
-            "tools": echo["tools"], "top_logprobs": echo["top_logprobs"], "top_p": settings.top_p, "truncation": "disabled",
-            "usage": self._usage() if done else None, "user": None,
+            "instructions": echo["instructions"],
+            "max_output_tokens": echo["max_output_tokens"],
+            "max_tool_calls": None,
+            "metadata": echo["metadata"],
+            "model": self.model,
+            "output": list(self.output.items) if done else [],
+            "parallel_tool_calls": echo["parallel_tool_calls"],
+            "previous_response_id": None,
+            "reasoning": None,
+            "store": False,
+            "temperature": settings.temp,
+            "text": {"format": {"type": "text"}},
+            "tool_choice": echo["tool_choice"],
+            "tools": echo["tools"],
+            "top_logprobs": echo["top_logprobs"],
+            "top_p": settings.top_p,
+            "truncation": "disabled",
+            "usage": self._usage() if done else None,
+            "user": None,
         }
         if done:
             response["redrafter"] = self.answer.extension()
@@ -525,7 +660,9 @@ class ResponsesAnswer:
         a = self.answer
         if a.error is not None:
             yield event("error", {"code": "server_error", "message": a.error, "param": None})
-            yield event("response.failed", {"response": self._response("failed", {"code": "server_error", "message": a.error})})
+            yield event(
+                "response.failed", {"response": self._response("failed", {"code": "server_error", "message": a.error})}
+            )
             return
         if a.finish_reason is None:
             return  # the client went away

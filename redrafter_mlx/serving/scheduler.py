@@ -138,8 +138,17 @@ class Scheduler:
     prefill_share: the most of the engine's time a long prompt's prefill
     takes while other requests decode (``PrefillShare``)."""
 
-    def __init__(self, redrafter: ReDrafter, eos_token_ids, draft: DraftSettings, max_batch: int = 8, cache_bytes: int = 0,
-                 max_queue: Optional[int] = None, metrics: Optional[Metrics] = None, prefill_share: float = PREFILL_SHARE):
+    def __init__(
+        self,
+        redrafter: ReDrafter,
+        eos_token_ids,
+        draft: DraftSettings,
+        max_batch: int = 8,
+        cache_bytes: int = 0,
+        max_queue: Optional[int] = None,
+        metrics: Optional[Metrics] = None,
+        prefill_share: float = PREFILL_SHARE,
+    ):
         self.redrafter, self.eos, self.draft = redrafter, eos_token_ids, draft
         self.max_batch, self.max_queue = max_batch, max_queue
         self.metrics = metrics or Metrics()
@@ -163,7 +172,9 @@ class Scheduler:
 
     def _new_decoder(self) -> Decoder:
         # Trees are sized by the cost curve of the nearest batch size of these.
-        return Decoder(self.redrafter, self.draft, chooser_per_prompt(self.choosers), self.eos, cost_batch_sizes=self.batch_sizes)
+        return Decoder(
+            self.redrafter, self.draft, chooser_per_prompt(self.choosers), self.eos, cost_batch_sizes=self.batch_sizes
+        )
 
     @property
     def batch_sizes(self) -> list:
@@ -272,12 +283,17 @@ class Scheduler:
                 self._remember(row)
             self.decoder.leave(leaving)
             if self.coming is not None and all(t.cancelled for t in self.coming.tickets):
-                for ticket in self.coming.tickets:  # their clients went away: the prefill stops here, and its memory goes
+                for (
+                    ticket
+                ) in self.coming.tickets:  # their clients went away: the prefill stops here, and its memory goes
                     self.choosers.pop(ticket.id, None)
                 self.coming = None
             self.waiting = [t for t in self.waiting if not t.cancelled]
             joining = self._next_joining()
-            self._tell(leave=leaving, join=[(t.request.prompt, t.request.max_tokens, t.id, t.request.sampling) for t in joining])
+            self._tell(
+                leave=leaving,
+                join=[(t.request.prompt, t.request.max_tokens, t.id, t.request.sampling) for t in joining],
+            )
             try:
                 if joining and self.coming is None:
                     self.coming = self._begin_join(joining)
@@ -332,7 +348,10 @@ class Scheduler:
         for t in tickets:
             self.choosers[t.id] = make_chooser(t.request.sampling)
         joining = self.decoder.begin_join(
-            [t.request.prompt for t in tickets], [t.request.max_tokens for t in tickets], [t.id for t in tickets], caches
+            [t.request.prompt for t in tickets],
+            [t.request.max_tokens for t in tickets],
+            [t.id for t in tickets],
+            caches,
         )
         return Coming(tickets, caches, joining)
 
@@ -365,7 +384,9 @@ class Scheduler:
             self.active[out.row] = t
             if t.cancelled:  # its client went away while it was fed
                 self.decoder.leave([out.row])
-        self._deliver(outputs, {out.row: c.reusable(t.request.prompt) if c else 0 for t, c, out in zip(tickets, caches, joined)})
+        self._deliver(
+            outputs, {out.row: c.reusable(t.request.prompt) if c else 0 for t, c, out in zip(tickets, caches, joined)}
+        )
 
     def _tell(self, stop: bool = False, reset: bool = False, leave=(), join=()) -> None:
         """What this iteration does, for the other ranks of a split model."""
@@ -396,7 +417,11 @@ class Scheduler:
                 self.metrics.add("verification_steps_total")
                 self.metrics.add("step_tokens_total", out.num_accepted + 1)
             self.metrics.add("completion_tokens_total", len(out.tokens))
-            ticket.post(Event(out.tokens, out.num_accepted, out.num_nodes, out.finish_reason, cached_tokens, logprobs=out.logprobs))
+            ticket.post(
+                Event(
+                    out.tokens, out.num_accepted, out.num_nodes, out.finish_reason, cached_tokens, logprobs=out.logprobs
+                )
+            )
         for row in [r for r in self.active if r not in self.decoder.rows]:  # cancelled rows have left
             ticket = self.active.pop(row)
             self.choosers.pop(ticket.id, None)

@@ -68,9 +68,23 @@ SPARE_FILES = 256  # descriptors the process needs besides its connections (the 
 KEEP_ALIVE_SECONDS = 5.0
 MAX_NOTED_TOOLS = 256  # tools named on the log as left out of prompts
 RETRY_AFTER_SECONDS = 1
-ROUTES = ("/v1/chat/completions", "/v1/completions", "/chat/completions", "/completions", "/v1/responses", "/responses",
-          "/v1/responses/input_tokens", "/v1/messages", "/v1/messages/count_tokens", "/v1/models", "/models", "/health", "/metrics",
-          "/", "/api/hello")
+ROUTES = (
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/chat/completions",
+    "/completions",
+    "/v1/responses",
+    "/responses",
+    "/v1/responses/input_tokens",
+    "/v1/messages",
+    "/v1/messages/count_tokens",
+    "/v1/models",
+    "/models",
+    "/health",
+    "/metrics",
+    "/",
+    "/api/hello",
+)
 OPEN = ("/health", "/", "/api/hello")  # routes that need no API key: health and connectivity checks
 RESPONSES = ("/v1/responses", "/responses", "/v1/responses/input_tokens")
 
@@ -98,8 +112,16 @@ def anthropic(path: str) -> bool:
     return path.startswith("/v1/messages")
 
 
-def error_response(path: str, message: str, status: int, param: Optional[str] = None, code: Optional[str] = None,
-                   tokens: Optional[int] = None, limit: Optional[int] = None, headers: Optional[dict] = None) -> JSONResponse:
+def error_response(
+    path: str,
+    message: str,
+    status: int,
+    param: Optional[str] = None,
+    code: Optional[str] = None,
+    tokens: Optional[int] = None,
+    limit: Optional[int] = None,
+    headers: Optional[dict] = None,
+) -> JSONResponse:
     """An error in the dialect of the route it answers; its machine code,
     when it has one, also in the ``x-error-code`` header (the access log
     notes it)."""
@@ -134,8 +156,15 @@ class Guard:
     log: one line per request once it has been answered (``log``; None:
     none). A refused request's connection is closed after its answer."""
 
-    def __init__(self, app, api_key: Optional[str], metrics: Metrics, log: Optional[Callable[[str], None]],
-                 limits: Limits = Limits(), connections: Callable[[], int] = lambda: 0):
+    def __init__(
+        self,
+        app,
+        api_key: Optional[str],
+        metrics: Metrics,
+        log: Optional[Callable[[str], None]],
+        limits: Limits = Limits(),
+        connections: Callable[[], int] = lambda: 0,
+    ):
         self.app, self.key, self.metrics, self.log = app, api_key.encode() if api_key else None, metrics, log
         self.limits, self.connections = limits, connections
 
@@ -151,11 +180,17 @@ class Guard:
         """The answer to a request refused before it is read, else None."""
         path, limits = scope["path"], self.limits
         if head_bytes(scope) > limits.max_header_bytes:
-            return error_response(path, f"request headers over {limits.max_header_bytes} bytes", 431, headers={"Connection": "close"})
+            return error_response(
+                path, f"request headers over {limits.max_header_bytes} bytes", 431, headers={"Connection": "close"}
+            )
         if self.connections() > limits.max_connections:
             self.metrics.add("rejected_total", reason="too many connections")
-            return error_response(path, f"over {limits.max_connections} connections are open; retry shortly", 503,
-                                  headers={"Retry-After": str(RETRY_AFTER_SECONDS), "Connection": "close"})
+            return error_response(
+                path,
+                f"over {limits.max_connections} connections are open; retry shortly",
+                503,
+                headers={"Retry-After": str(RETRY_AFTER_SECONDS), "Connection": "close"},
+            )
         if self.key and path not in OPEN and scope["method"] != "OPTIONS" and not self._allowed(scope):
             return error_response(path, "a valid API key is needed (Authorization: Bearer KEY, or x-api-key: KEY)", 401)
         return None
@@ -171,7 +206,10 @@ class Guard:
                 code[0] = dict(message.get("headers", [])).get(b"x-error-code", b"").decode("latin-1")
                 # Every answer names itself, as the APIs' answers do (clients log it).
                 request_id = f"req_{secrets.token_hex(12)}".encode()
-                message = dict(message, headers=[*message.get("headers", []), (b"request-id", request_id), (b"x-request-id", request_id)])
+                message = dict(
+                    message,
+                    headers=[*message.get("headers", []), (b"request-id", request_id), (b"x-request-id", request_id)],
+                )
             await send(message)
 
         refusal = self._refusal(scope)
@@ -263,9 +301,13 @@ class Connection(H11Protocol):
         line = buffered.split(b"\r\n", 1)[0].split(b" ")
         method = line[0].decode("latin-1")
         path = unquote(line[1].split(b"?", 1)[0].decode("latin-1")) if len(line) > 1 else "/"
-        response = error_response(path, f"request headers over {limits.max_header_bytes} bytes", 431, headers={"Connection": "close"})
+        response = error_response(
+            path, f"request headers over {limits.max_header_bytes} bytes", 431, headers={"Connection": "close"}
+        )
         event = h11.Response(status_code=431, headers=response.raw_headers, reason=b"Request Header Fields Too Large")
-        self.transport.write(self.conn.send(event) + self.conn.send(h11.Data(data=response.body)) + self.conn.send(h11.EndOfMessage()))
+        self.transport.write(
+            self.conn.send(event) + self.conn.send(h11.Data(data=response.body)) + self.conn.send(h11.EndOfMessage())
+        )
         self.transport.close()
         self.handler.metrics.add("requests_total", endpoint=endpoint(path), status=431)
         if self.handler.access_log is not None:
@@ -299,13 +341,29 @@ class Server:
     """
 
     def __init__(
-        self, scheduler: Scheduler, renderer: ChatRenderer, model_name: str, max_tokens: int, max_context: Optional[int],
-        limits: Limits = Limits(), prompt_log: Optional[PromptLog] = None, api_key: Optional[str] = None,
-        keep_alive: float = KEEP_ALIVE_SECONDS, access_log: Optional[Callable[[str], None]] = None, max_output_tokens: Optional[int] = None,
+        self,
+        scheduler: Scheduler,
+        renderer: ChatRenderer,
+        model_name: str,
+        max_tokens: int,
+        max_context: Optional[int],
+        limits: Limits = Limits(),
+        prompt_log: Optional[PromptLog] = None,
+        api_key: Optional[str] = None,
+        keep_alive: float = KEEP_ALIVE_SECONDS,
+        access_log: Optional[Callable[[str], None]] = None,
+        max_output_tokens: Optional[int] = None,
     ):
-        self.scheduler, self.tokenizer, self.model_name, self.prompt_log = scheduler, renderer.tokenizer, model_name, prompt_log
+        self.scheduler, self.tokenizer, self.model_name, self.prompt_log = (
+            scheduler,
+            renderer.tokenizer,
+            model_name,
+            prompt_log,
+        )
         self.access_log, self.max_output_tokens = access_log, max_output_tokens
-        self.context = Context(renderer.tokenizer, scheduler.redrafter.base.vocab_size, max_context, max_tokens, renderer)
+        self.context = Context(
+            renderer.tokenizer, scheduler.redrafter.base.vocab_size, max_context, max_tokens, renderer
+        )
         self.limits, self.api_key, self.keep_alive = limits, api_key, keep_alive
         self.connections: set = set()
         self.metrics = scheduler.metrics
@@ -337,9 +395,17 @@ class Server:
 
         # As mlx_lm.server does, any web page may call it (it listens on
         # loopback unless told otherwise).
-        cors = Middleware(CORSMiddleware, allow_origins=["*"], allow_methods=["GET", "POST", "OPTIONS"], allow_headers=["*"])
-        guard = Middleware(Guard, api_key=self.api_key, metrics=self.metrics, log=self.access_log, limits=self.limits,
-                           connections=lambda: len(self.connections))
+        cors = Middleware(
+            CORSMiddleware, allow_origins=["*"], allow_methods=["GET", "POST", "OPTIONS"], allow_headers=["*"]
+        )
+        guard = Middleware(
+            Guard,
+            api_key=self.api_key,
+            metrics=self.metrics,
+            log=self.access_log,
+            limits=self.limits,
+            connections=lambda: len(self.connections),
+        )
         return Starlette(routes=routes, exception_handlers={HTTPException: http_error}, middleware=[cors, guard])
 
     def _model(self) -> dict:
@@ -347,14 +413,28 @@ class Server:
         ``created``, ``owned_by``; Anthropic: ``type``, ``display_name``,
         ``created_at``); each client reads its own fields."""
         created = datetime.fromtimestamp(self.created, timezone.utc).isoformat().replace("+00:00", "Z")
-        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "redrafter-mlx",
-                "type": "model", "display_name": self.model_name, "created_at": created,
-                "context_length": self.context.max_context}
+        return {
+            "id": self.model_name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "redrafter-mlx",
+            "type": "model",
+            "display_name": self.model_name,
+            "created_at": created,
+            "context_length": self.context.max_context,
+        }
 
     async def models(self, request: HTTPRequest) -> JSONResponse:
         """The model list, in OpenAI's shape and Anthropic's (a page of one)."""
-        return JSONResponse({"object": "list", "data": [self._model()], "has_more": False, "first_id": self.model_name,
-                             "last_id": self.model_name})
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": [self._model()],
+                "has_more": False,
+                "first_id": self.model_name,
+                "last_id": self.model_name,
+            }
+        )
 
     async def model(self, request: HTTPRequest) -> JSONResponse:
         """One model by its id: this server answers requests naming any
@@ -372,8 +452,12 @@ class Server:
     async def metrics_page(self, request: HTTPRequest) -> PlainTextResponse:
         def gauges() -> dict:
             health = self.scheduler.health()
-            return {"requests_running": health["running"], "requests_waiting": health["waiting"], "prompt_cache_bytes": self.scheduler.store.nbytes,
-                    "connections_open": len(self.connections)}
+            return {
+                "requests_running": health["running"],
+                "requests_waiting": health["waiting"],
+                "prompt_cache_bytes": self.scheduler.store.nbytes,
+                "connections_open": len(self.connections),
+            }
 
         return PlainTextResponse(self.metrics.text(gauges), media_type="text/plain; version=0.0.4")
 
@@ -421,15 +505,24 @@ class Server:
         except Refused as e:
             self.metrics.add("rejected_total", reason=e.reason)
             if e.reason == "queue full":
-                return error_response(path, "too many requests are waiting; retry shortly", 429, headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+                return error_response(
+                    path,
+                    "too many requests are waiting; retry shortly",
+                    429,
+                    headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
+                )
             return error_response(path, "the server is shutting down", 503)
         if self.prompt_log is not None:
             self.prompt_log.add(job.logged)
         self.metrics.add("prompt_tokens_total", len(job.request.prompt))
-        answer = dialect(Answer(self.tokenizer, job, ticket, self.scheduler, self.context.renderer.tools), self.model_name)
+        answer = dialect(
+            Answer(self.tokenizer, job, ticket, self.scheduler, self.context.renderer.tools), self.model_name
+        )
         if job.stream:
             headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-            return StreamingResponse(answer.stream(request, self.keep_alive), media_type="text/event-stream", headers=headers)
+            return StreamingResponse(
+                answer.stream(request, self.keep_alive), media_type="text/event-stream", headers=headers
+            )
         status, body = await answer.whole(request)
         return JSONResponse(body, status_code=status)
 
@@ -447,9 +540,14 @@ class Server:
         if job.kind != "completion":
             job.turn_ends = list(renderer.stop_strings)
         for name in job.left_out:
-            if name not in self.left_out and len(self.left_out) < MAX_NOTED_TOOLS:  # clients name tools: the set is bounded
+            if (
+                name not in self.left_out and len(self.left_out) < MAX_NOTED_TOOLS
+            ):  # clients name tools: the set is bounded
                 self.left_out.add(name)
-                print(f"note: the tool {name!r} is left out of prompts: a hosted or deferred tool this server cannot run", file=sys.stderr)
+                print(
+                    f"note: the tool {name!r} is left out of prompts: a hosted or deferred tool this server cannot run",
+                    file=sys.stderr,
+                )
 
     async def _body(self, request: HTTPRequest) -> dict:
         """The request's JSON object; a body over the limit (413), not in
@@ -480,7 +578,9 @@ class Server:
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise BadRequest(f"the request body is not valid JSON ({e})") from None
         except UnicodeEncodeError:
-            raise BadRequest("the request body holds a string that is not valid Unicode (an unpaired surrogate escape)") from None
+            raise BadRequest(
+                "the request body holds a string that is not valid Unicode (an unpaired surrogate escape)"
+            ) from None
         except RecursionError:
             raise BadRequest("the request body is nested too deeply") from None
         if not isinstance(body, dict):
@@ -489,11 +589,25 @@ class Server:
 
 
 def run_server(
-    redrafter, tokenizer, draft, sock, model_name: str, *, max_batch: int = 8, max_tokens: int = 512, max_output_tokens: Optional[int] = None,
+    redrafter,
+    tokenizer,
+    draft,
+    sock,
+    model_name: str,
+    *,
+    max_batch: int = 8,
+    max_tokens: int = 512,
+    max_output_tokens: Optional[int] = None,
     cache_bytes: int = 0,
-    limits: Limits = Limits(), prompt_log: Optional[PromptLog] = None, api_key: Optional[str] = None,
-    max_queue: Optional[int] = None, shutdown_timeout: float = 30.0, keep_alive: float = KEEP_ALIVE_SECONDS, announce=print,
-    access_log: bool = True, prefill_share: float = PREFILL_SHARE,
+    limits: Limits = Limits(),
+    prompt_log: Optional[PromptLog] = None,
+    api_key: Optional[str] = None,
+    max_queue: Optional[int] = None,
+    shutdown_timeout: float = 30.0,
+    keep_alive: float = KEEP_ALIVE_SECONDS,
+    announce=print,
+    access_log: bool = True,
+    prefill_share: float = PREFILL_SHARE,
 ) -> None:
     """``redrafter-mlx serve``: start the engine thread (it measures or reads
     the cost curves first), then serve on the bound socket ``sock`` until
@@ -510,15 +624,32 @@ def run_server(
     files = allow_open_files(limits.max_connections + SPARE_FILES)
     if files < limits.max_connections + SPARE_FILES:
         bound = max(1, files - SPARE_FILES)
-        announce(f"note: this process may open {files} files, so at most {bound} connections are served at once, not {limits.max_connections}")
+        announce(
+            f"note: this process may open {files} files, so at most {bound} connections are served at once, not {limits.max_connections}"
+        )
         limits = dataclasses.replace(limits, max_connections=bound)
-    scheduler = Scheduler(redrafter, renderer.eos_token_ids, draft, max_batch, cache_bytes, max_queue, Metrics(), prefill_share)
+    scheduler = Scheduler(
+        redrafter, renderer.eos_token_ids, draft, max_batch, cache_bytes, max_queue, Metrics(), prefill_share
+    )
     scheduler.start()
-    server = Server(scheduler, renderer, model_name, max_tokens, redrafter.base.max_context, limits, prompt_log, api_key, keep_alive,
-                    announce if access_log else None, max_output_tokens)
+    server = Server(
+        scheduler,
+        renderer,
+        model_name,
+        max_tokens,
+        redrafter.base.max_context,
+        limits,
+        prompt_log,
+        api_key,
+        keep_alive,
+        announce if access_log else None,
+        max_output_tokens,
+    )
     host, port = sock.getsockname()[:2]
     where = f"[{host}]" if ":" in host else host
-    announce(f"serving {model_name} at http://{where}:{port} (/v1/chat/completions, /v1/completions, /v1/responses, /v1/messages, /v1/models; /health, /metrics); Ctrl-C stops")
+    announce(
+        f"serving {model_name} at http://{where}:{port} (/v1/chat/completions, /v1/completions, /v1/responses, /v1/messages, /v1/models; /health, /metrics); Ctrl-C stops"
+    )
     graceful = Graceful(uvicorn_config(server, shutdown_timeout + 5), scheduler, shutdown_timeout)
     server.connections = graceful.server_state.connections
     # uvicorn raises the signal again once it has shut down; answered by a
@@ -536,9 +667,14 @@ def uvicorn_config(server: Server, graceful_seconds: float) -> uvicorn.Config:
     (h11, whose buffer for a head stops at the head bound), closed idle
     ``IDLE_CONNECTION_SECONDS`` after an answer; ``graceful_seconds``: how
     long uvicorn waits for running requests on shutdown."""
-    return uvicorn.Config(server.app(), log_level="warning", timeout_graceful_shutdown=graceful_seconds,
-                          http=functools.partial(Connection, server=server), timeout_keep_alive=IDLE_CONNECTION_SECONDS,
-                          h11_max_incomplete_event_size=server.limits.max_header_bytes)
+    return uvicorn.Config(
+        server.app(),
+        log_level="warning",
+        timeout_graceful_shutdown=graceful_seconds,
+        http=functools.partial(Connection, server=server),
+        timeout_keep_alive=IDLE_CONNECTION_SECONDS,
+        h11_max_incomplete_event_size=server.limits.max_header_bytes,
+    )
 
 
 class Graceful(uvicorn.Server):

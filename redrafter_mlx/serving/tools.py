@@ -39,7 +39,9 @@ class ToolFormat:
     family: Optional[str]
 
 
-GENERIC_TOOLS = ToolFormat(json_tools.tool_call_start, json_tools.tool_call_end, json_tools.parse_tool_call, "json_tools")
+GENERIC_TOOLS = ToolFormat(
+    json_tools.tool_call_start, json_tools.tool_call_end, json_tools.parse_tool_call, "json_tools"
+)
 
 
 def native_tools(tokenizer) -> Optional[ToolFormat]:
@@ -93,7 +95,10 @@ def with_generic_tools(messages: list, tools: Optional[list]) -> list:
             results = True
             continue
         if message.get("tool_calls"):
-            calls = [json.dumps({"name": c["function"]["name"], "arguments": _arguments(c)}, ensure_ascii=False) for c in message["tool_calls"]]
+            calls = [
+                json.dumps({"name": c["function"]["name"], "arguments": _arguments(c)}, ensure_ascii=False)
+                for c in message["tool_calls"]
+            ]
             written = "\n".join(f"{GENERIC_TOOLS.start}\n{c}\n{GENERIC_TOOLS.end}" for c in calls)
             content = f"{content}\n{written}" if content else written
         if role == "user" and results:
@@ -123,7 +128,9 @@ def forced_opening(tokenizer, syntax: ToolFormat, name: Optional[str]) -> list:
     elif syntax.family == "qwen3_coder":
         text = f"{syntax.start}\n<function={name}>\n"
     else:
-        raise UserError(f"a named tool_choice is not supported for this model's tool-call format ({syntax.family}); use \"required\"")
+        raise UserError(
+            f'a named tool_choice is not supported for this model\'s tool-call format ({syntax.family}); use "required"'
+        )
     return tokenizer.encode(text, add_special_tokens=False)
 
 
@@ -134,7 +141,10 @@ def template_messages(messages: list) -> list:
     for message in messages:
         calls = message.get("tool_calls")
         if calls:
-            message = dict(message, tool_calls=[dict(c, function=dict(c.get("function") or {}, arguments=_arguments(c))) for c in calls])
+            message = dict(
+                message,
+                tool_calls=[dict(c, function=dict(c.get("function") or {}, arguments=_arguments(c))) for c in calls],
+            )
         out.append(message)
     return out
 
@@ -203,6 +213,10 @@ class ToolCallText:
             parsed = self.parse(text, self.tools)
         except (ValueError, KeyError, TypeError, IndexError, AttributeError):
             return False
-        found = [call for call in (parsed if isinstance(parsed, list) else [parsed]) if isinstance(call, dict) and isinstance(call.get("name"), str)]
+        found = [
+            call
+            for call in (parsed if isinstance(parsed, list) else [parsed])
+            if isinstance(call, dict) and isinstance(call.get("name"), str)
+        ]
         self.calls += [{"name": call["name"], "arguments": call.get("arguments", {})} for call in found]
         return bool(found)

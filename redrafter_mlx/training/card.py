@@ -115,7 +115,9 @@ def model_card(folder, folder_name: Optional[str] = None, beside: Optional[str] 
     if base.get("hub_id"):
         front.append(f"base_model: {base['hub_id']}")
     front.append("---")
-    model_option = f"--model {base['hub_id']} " if base.get("hub_id") else "" if base.get("default") else "--model MODEL "
+    model_option = (
+        f"--model {base['hub_id']} " if base.get("hub_id") else "" if base.get("default") else "--model MODEL "
+    )
     parameters, dtypes = _weights_summary(folder / WEIGHTS_FILE)
     size = (folder / WEIGHTS_FILE).stat().st_size / 1e6
     out = front + [
@@ -129,29 +131,49 @@ def model_card(folder, folder_name: Optional[str] = None, beside: Optional[str] 
         "## Use",
         "",
         "```bash",
-        f"redrafter-mlx generate {model_option}--drafter OWNER/NAME --prompt \"Hello\"",
+        f'redrafter-mlx generate {model_option}--drafter OWNER/NAME --prompt "Hello"',
         "```",
         "",
         "`--drafter` takes the Hub id this folder was uploaded to (downloaded once into the Hugging Face cache) or",
         "the folder itself."
-        + (" `MODEL` is the base model, from any folder, Hub id or GGUF file that holds it." if model_option == "--model MODEL " else ""),
+        + (
+            " `MODEL` is the base model, from any folder, Hub id or GGUF file that holds it."
+            if model_option == "--model MODEL "
+            else ""
+        ),
         "The drafter fits only its base model: `config.json` names the model's identity (`base_model.identity`, a",
         "digest of its shapes, vocabulary and first embeddings, the same however the model is stored), and the",
         "drafter's sizes must match the model's.",
         "",
         "## Base model",
         "",
-        _table([("model", f"`{name}`" + (" (the default model of redrafter-mlx)" if base.get("default") else "")),
+        _table(
+            [
+                ("model", f"`{name}`" + (" (the default model of redrafter-mlx)" if base.get("default") else "")),
                 ("identity", f"`{base['identity']}`" if base.get("identity") else "not recorded"),
-                ("hidden size", args.hidden_size), ("vocabulary", f"{args.vocab_size:,} tokens")]),
+                ("hidden size", args.hidden_size),
+                ("vocabulary", f"{args.vocab_size:,} tokens"),
+            ]
+        ),
         "",
         "## Drafter",
         "",
-        _table([("`exit_dim`", args.exit_dim), ("residual blocks", args.num_draft_layers), ("RNN", "on" if args.rnn else "off"),
-                ("draft vocabulary", f"the {args.draft_vocab_size:,} most frequent generated tokens" + (", most frequent first" if args.sorted_draft_vocab else "")
-                 if args.draft_vocab_size else "the whole vocabulary"),
+        _table(
+            [
+                ("`exit_dim`", args.exit_dim),
+                ("residual blocks", args.num_draft_layers),
+                ("RNN", "on" if args.rnn else "off"),
+                (
+                    "draft vocabulary",
+                    f"the {args.draft_vocab_size:,} most frequent generated tokens"
+                    + (", most frequent first" if args.sorted_draft_vocab else "")
+                    if args.draft_vocab_size
+                    else "the whole vocabulary",
+                ),
                 ("parameters", f"{parameters / 1e6:.2f} M, {' and '.join(dtypes)} ({size:.1f} MB)"),
-                ("datastore", datastore_summary(folder))]),
+                ("datastore", datastore_summary(folder)),
+            ]
+        ),
     ]
     if training:
         out += ["", *_training_section(training)]
@@ -176,6 +198,7 @@ def model_card(folder, folder_name: Optional[str] = None, beside: Optional[str] 
 def _made_section(made: dict) -> list:
     """The card's account of ``redrafter-mlx make-drafter``'s run: the
     command, its data, its stages' times and the held-out speed."""
+
     def run(r: dict) -> str:
         count = f"{r['count']:,}" if isinstance(r.get("count"), int) else "all"
         if isinstance(r.get("responses"), int) and r["responses"] != r.get("count"):
@@ -185,13 +208,34 @@ def _made_section(made: dict) -> list:
 
     runs = "; ".join(run(r) for r in made.get("runs", []))
     minutes = made.get("stage_minutes", {})
-    out = ["## How it was made", "", "```bash", made.get("command", "redrafter-mlx make-drafter"), "```", "",
-           _table([("model kind", "chat (its chat template applied)" if made.get("kind") == "chat" else "text (continues plain text)"),
-                   ("prompts", f"`{made.get('prompts')}`: {made.get('train_prompts', 0):,} for training, {made.get('held_out_prompts', 0):,} held out"),
-                   ("distillation", runs),
-                   ("time", f"{made.get('hours', sum(minutes.values()) / 60):.2f} hours in all (" + ", ".join(f"{k} {v:.0f} min" for k, v in minutes.items())
-                    + f"), {made.get('cpu_hours', 0):.1f} CPU hours")]
-                  + ([("note", made["note"])] if made.get("note") else []))]
+    out = [
+        "## How it was made",
+        "",
+        "```bash",
+        made.get("command", "redrafter-mlx make-drafter"),
+        "```",
+        "",
+        _table(
+            [
+                (
+                    "model kind",
+                    "chat (its chat template applied)" if made.get("kind") == "chat" else "text (continues plain text)",
+                ),
+                (
+                    "prompts",
+                    f"`{made.get('prompts')}`: {made.get('train_prompts', 0):,} for training, {made.get('held_out_prompts', 0):,} held out",
+                ),
+                ("distillation", runs),
+                (
+                    "time",
+                    f"{made.get('hours', sum(minutes.values()) / 60):.2f} hours in all ("
+                    + ", ".join(f"{k} {v:.0f} min" for k, v in minutes.items())
+                    + f"), {made.get('cpu_hours', 0):.1f} CPU hours",
+                ),
+            ]
+            + ([("note", made["note"])] if made.get("note") else [])
+        ),
+    ]
     speed = made.get("held_out_speed") or {}
     rows = []
     for key, configs in speed.items():
@@ -199,35 +243,79 @@ def _made_section(made: dict) -> list:
             continue
         for name, s in configs.items():
             label = {"auto": "this drafter (defaults)", "lookup": "context lookup alone"}.get(name, name)
-            rows.append(f"| {key} | {label} | {s['speedup_median']:.2f}x ({s['speedup_min']:.2f}-{s['speedup_max']:.2f}) | "
-                        f"{s['tokens_per_step']:.2f} | {s['nodes_per_step']:.1f} |")
+            rows.append(
+                f"| {key} | {label} | {s['speedup_median']:.2f}x ({s['speedup_min']:.2f}-{s['speedup_max']:.2f}) | "
+                f"{s['tokens_per_step']:.2f} | {s['nodes_per_step']:.1f} |"
+            )
     if rows:
         source = f" of `{made['held_out_file']}`" if made.get("held_out_file") else ""
-        out += ["", f"Speed against plain decoding on {speed.get('prompts', 0)} held-out prompts{source}, {speed.get('max_tokens', 0)} new tokens, "
-                "batch 1, alternating in one process (the median over prompts, min-max):", "",
-                "| sampling | drafting | speed-up | tokens per step | nodes per step |", "|---|---|---|---|---|", *rows]
+        out += [
+            "",
+            f"Speed against plain decoding on {speed.get('prompts', 0)} held-out prompts{source}, {speed.get('max_tokens', 0)} new tokens, "
+            "batch 1, alternating in one process (the median over prompts, min-max):",
+            "",
+            "| sampling | drafting | speed-up | tokens per step | nodes per step |",
+            "|---|---|---|---|---|",
+            *rows,
+        ]
     return out
 
 
 def _training_section(training: dict) -> list:
     """The card's data and training sections, from config.json's ``training``."""
-    data, sizes, distilled = training.get("data", []), training.get("data_sizes", []), training.get("distill_settings", [])
-    rows = ["| folder | sequences | generated tokens | max tokens | temperature | prompts |", "|---|---|---|---|---|---|"]
+    data, sizes, distilled = (
+        training.get("data", []),
+        training.get("data_sizes", []),
+        training.get("distill_settings", []),
+    )
+    rows = [
+        "| folder | sequences | generated tokens | max tokens | temperature | prompts |",
+        "|---|---|---|---|---|---|",
+    ]
     for i, path in enumerate(data):
         size = sizes[i] if i < len(sizes) else {}
         meta = distilled[i] if i < len(distilled) else {}
-        cells = [size.get("sequences"), size.get("generated_tokens"), meta.get("max_tokens"), meta.get("temp"), meta.get("num_prompts")]
-        rows.append(f"| `{path}` | " + " | ".join("" if c is None else f"{c:,}" if isinstance(c, int) else str(c) for c in cells) + " |")
+        cells = [
+            size.get("sequences"),
+            size.get("generated_tokens"),
+            meta.get("max_tokens"),
+            meta.get("temp"),
+            meta.get("num_prompts"),
+        ]
+        rows.append(
+            f"| `{path}` | "
+            + " | ".join("" if c is None else f"{c:,}" if isinstance(c, int) else str(c) for c in cells)
+            + " |"
+        )
     fraction = training.get("eval_fraction", 0)
-    held = f"the answers to 1 prompt in {max(int(round(1 / fraction)), 2)} (by its index) are held out of training" if fraction > 0 else "no prompts are held out"
+    held = (
+        f"the answers to 1 prompt in {max(int(round(1 / fraction)), 2)} (by its index) are held out of training"
+        if fraction > 0
+        else "no prompts are held out"
+    )
     settings = [(f"`{key}`", training[key]) for key in asdict(TrainConfig()) if key in training]
     steps, batch, positions = training.get("steps"), training.get("batch_size"), training.get("positions")
-    section = ["## Data", "", f"The base model's own answers (`redrafter-mlx distill`), {training.get('sequences', 0):,} sequences; {held}.",
-               "", *rows, "", "## Training", "", _table(settings), ""]
+    section = [
+        "## Data",
+        "",
+        f"The base model's own answers (`redrafter-mlx distill`), {training.get('sequences', 0):,} sequences; {held}.",
+        "",
+        *rows,
+        "",
+        "## Training",
+        "",
+        _table(settings),
+        "",
+    ]
     if steps and batch and positions:
-        section.append(f"{steps:,} steps of {batch:,} positions: {steps * batch / positions:.2f} epochs of {positions:,} training positions"
-                       + (f"; {training['seconds_this_run']:,} s in the last run." if "seconds_this_run" in training else "."))
+        section.append(
+            f"{steps:,} steps of {batch:,} positions: {steps * batch / positions:.2f} epochs of {positions:,} training positions"
+            + (f"; {training['seconds_this_run']:,} s in the last run." if "seconds_this_run" in training else ".")
+        )
     if "eval_accuracy" in training:
         accuracy = " ".join(f"{a:.3f}" for a in training["eval_accuracy"])
-        section += ["", f"Held out: loss {training.get('eval_loss')}; top-1 accuracy at depths 1-{len(training['eval_accuracy'])}: {accuracy}."]
+        section += [
+            "",
+            f"Held out: loss {training.get('eval_loss')}; top-1 accuracy at depths 1-{len(training['eval_accuracy'])}: {accuracy}.",
+        ]
     return section

@@ -63,7 +63,9 @@ def check_training_state_folder(state: Path) -> None:
         raise UserError(f"{state} (where training keeps its checkpoint) is a file; move it away")
     foreign = sorted(p.name for p in state.iterdir() if p.name not in STATE_NAMES and not p.name.startswith("."))
     if foreign:
-        raise UserError(f"{state} (where training keeps its checkpoint) holds other files ({', '.join(foreign[:3])}); use another output folder")
+        raise UserError(
+            f"{state} (where training keeps its checkpoint) holds other files ({', '.join(foreign[:3])}); use another output folder"
+        )
 
 
 def move_old_training_state(output: Path, state: Path) -> None:
@@ -71,7 +73,9 @@ def move_old_training_state(output: Path, state: Path) -> None:
     drafter folder: move them to the training state folder (a rename, on
     the same file system), leaving the drafter folder to the drafter."""
     if (state / CHECKPOINT_DIR).exists():
-        raise UserError(f"both {output / CHECKPOINT_DIR} (an older layout) and {state / CHECKPOINT_DIR} exist; remove the one not to resume")
+        raise UserError(
+            f"both {output / CHECKPOINT_DIR} (an older layout) and {state / CHECKPOINT_DIR} exist; remove the one not to resume"
+        )
     state.mkdir(parents=True, exist_ok=True)
     for name in sorted(STATE_NAMES - {LOG_FILE}):
         if (output / name).exists():
@@ -80,7 +84,10 @@ def move_old_training_state(output: Path, state: Path) -> None:
     if old_log.exists():  # the older records first, before any this layout wrote
         new_log.write_text(old_log.read_text() + (new_log.read_text() if new_log.exists() else ""))
         old_log.unlink()
-    print(f"note: moved the training checkpoint and log from {output} to {state}; {output} now holds only the drafter", file=sys.stderr)
+    print(
+        f"note: moved the training checkpoint and log from {output} to {state}; {output} now holds only the drafter",
+        file=sys.stderr,
+    )
 
 
 def keep_log_until(path: Path, step: int) -> None:
@@ -100,7 +107,9 @@ def keep_log_until(path: Path, step: int) -> None:
     files.write_text(path, "".join(kept))
 
 
-def save_checkpoint(state: Path, drafter: Drafter, optimizer_state, step: int, config: TrainConfig, kept_step: int) -> None:
+def save_checkpoint(
+    state: Path, drafter: Drafter, optimizer_state, step: int, config: TrainConfig, kept_step: int
+) -> None:
     """The drafter's weights, the optimizer's state, the step and the
     settings, as ``state/checkpoint/``: written to a temporary folder,
     flushed, and renamed into place; the one before (of step

@@ -37,8 +37,19 @@ class TrainConfig:
     seed: int = 0
 
     def __post_init__(self):
-        minimums = dict(depth=1, exit_dim=1, num_draft_layers=0, draft_vocab=0, steps=1, batch_size=1, warmup=0,
-                        freeze_head_steps=0, hidden_loss=0, eval_every=1, save_every=1)
+        minimums = dict(
+            depth=1,
+            exit_dim=1,
+            num_draft_layers=0,
+            draft_vocab=0,
+            steps=1,
+            batch_size=1,
+            warmup=0,
+            freeze_head_steps=0,
+            hidden_loss=0,
+            eval_every=1,
+            save_every=1,
+        )
         for name, low in minimums.items():
             if getattr(self, name) < low:
                 raise UserError(f"{name.replace('_', ' ')} must be at least {low}, got {getattr(self, name)}")

@@ -80,7 +80,9 @@ def build_positions(sequences: Sequences, depth: int, eval_fraction: float) -> P
     return Positions(np.concatenate(rows), np.concatenate(windows).astype(np.int32), np.concatenate(held))
 
 
-def compute_hidden_cache(base, folder: DataFolder, sequences: Sequences, batch_tokens: int = 8192, progress: bool = True) -> np.ndarray:
+def compute_hidden_cache(
+    base, folder: DataFolder, sequences: Sequences, batch_tokens: int = 8192, progress: bool = True
+) -> np.ndarray:
     """h[t] for every training position, as a float16 (R, hidden) memmap.
 
     Each shard's hidden states live beside it (``hidden-NNNNN.npy``), saved
@@ -107,7 +109,9 @@ def compute_hidden_cache(base, folder: DataFolder, sequences: Sequences, batch_t
         keeps = "the distilled data is intact: free space and run the same command again"
         with files.replacing(path, 2 * shape[0] * shape[1] + 128, keeps) as temporary:
             with open(temporary, "wb") as f:
-                np.lib.format.write_array_header_1_0(f, {"descr": np.dtype(np.float16).str, "fortran_order": False, "shape": shape})
+                np.lib.format.write_array_header_1_0(
+                    f, {"descr": np.dtype(np.float16).str, "fortran_order": False, "shape": shape}
+                )
                 for shard in shards:
                     f.write(np.ascontiguousarray(np.load(hidden_path(shard)), np.float16).tobytes())
         files.write_text(identity_path, json.dumps(identity), keeps)
@@ -119,15 +123,22 @@ def _shard_hidden(base, shard: Path, batch_tokens: int) -> None:
     with np.load(shard) as data:
         prompt_lengths, lengths, tokens = data["prompt_lengths"], data["lengths"], data["tokens"]
     target = hidden_path(shard)
-    if target.exists() and np.load(target, mmap_mode="r").shape == (int((lengths - prompt_lengths).sum()), base.hidden_size):
+    if target.exists() and np.load(target, mmap_mode="r").shape == (
+        int((lengths - prompt_lengths).sum()),
+        base.hidden_size,
+    ):
         return
     states = response_hidden(base, prompt_lengths, lengths, tokens, batch_tokens)
-    with files.replacing(target, states.nbytes, "the hidden states of earlier shards are kept: free space and run again") as temporary:
+    with files.replacing(
+        target, states.nbytes, "the hidden states of earlier shards are kept: free space and run again"
+    ) as temporary:
         with open(temporary, "wb") as f:
             np.save(f, states)
 
 
-def response_hidden(base, prompt_lengths: np.ndarray, lengths: np.ndarray, tokens: np.ndarray, batch_tokens: int = 8192) -> np.ndarray:
+def response_hidden(
+    base, prompt_lengths: np.ndarray, lengths: np.ndarray, tokens: np.ndarray, batch_tokens: int = 8192
+) -> np.ndarray:
     """(positions, hidden_size) float16 h[t] at t = P-1 .. L-2 of each
     sequence (``tokens`` back to back, ``lengths`` L and ``prompt_lengths``
     P per sequence), in order, from batches of right-padded sequences
@@ -210,4 +221,3 @@ def draft_targets(to_draft: np.ndarray, tokens: np.ndarray) -> np.ndarray:
     """Token ids (-1 past the end of a sequence) as draft indices; -1, never
     counted as a target, past the end or outside the draft vocabulary."""
     return np.where(tokens >= 0, to_draft[np.maximum(tokens, 0)], -1)
-

@@ -62,7 +62,12 @@ class Sequences:
     @classmethod
     def concatenate(cls, parts: list["Sequences"]) -> "Sequences":
         """The sequences of several data folders, in order."""
-        return cls(*(np.concatenate([getattr(p, f) for p in parts]) for f in ("prompt_index", "prompt_lengths", "lengths", "tokens")))
+        return cls(
+            *(
+                np.concatenate([getattr(p, f) for p in parts])
+                for f in ("prompt_index", "prompt_lengths", "lengths", "tokens")
+            )
+        )
 
 
 class DataFolder:
@@ -119,7 +124,12 @@ class DataFolder:
         return done
 
     def write_shard(
-        self, prompt_index: list, prompt_lengths: list, sequences: list, hidden: Optional[list] = None, sample: Optional[list] = None
+        self,
+        prompt_index: list,
+        prompt_lengths: list,
+        sequences: list,
+        hidden: Optional[list] = None,
+        sample: Optional[list] = None,
     ) -> Path:
         """Write one shard (and its hidden states, if given) atomically; on
         failure nothing partial remains."""
@@ -167,14 +177,15 @@ def check_resumable(folder: DataFolder, settings: dict) -> None:
     anything is written to it."""
     existing = folder.meta
     if existing is None:
-        if folder.path.exists() and any(p.name != PROMPTS_FILE and not files.is_temporary(p) for p in folder.path.iterdir()):
+        if folder.path.exists() and any(
+            p.name != PROMPTS_FILE and not files.is_temporary(p) for p in folder.path.iterdir()
+        ):
             raise UserError(f"output folder {folder.path} exists and is not a distillation data folder")
         return
     differences = [k for k in settings if existing.get(k) != settings[k]]
     if differences:
         raise UserError(
-            f"{folder.path} was made with different settings ({', '.join(differences)}); "
-            "use a new output folder"
+            f"{folder.path} was made with different settings ({', '.join(differences)}); use a new output folder"
         )
 
 
@@ -208,8 +219,13 @@ def response_stream(base, max_tokens: int, sampling, eos_token_ids) -> Callable[
         tokens, hidden = {}, {}
         choose = make_chooser(replace(sampling, row_seeds=[sample_seed(sampling.seed, k) for k in samples]))
         steps = autoregressive_steps(
-            base, prompts, max_tokens=max_tokens, choose=choose, eos_token_ids=eos_token_ids,
-            with_hidden=True, max_batch=batch_size,
+            base,
+            prompts,
+            max_tokens=max_tokens,
+            choose=choose,
+            eos_token_ids=eos_token_ids,
+            with_hidden=True,
+            max_batch=batch_size,
         )
         for step in steps:
             for out in step:
@@ -238,7 +254,17 @@ def leave_with_parent() -> None:
     threading.Thread(target=watch, daemon=True).start()
 
 
-def _worker(load_args: tuple, max_tokens: int, sampling, eos_token_ids, prompts: list, indices: list, samples: list, batch_size: int, results) -> None:
+def _worker(
+    load_args: tuple,
+    max_tokens: int,
+    sampling,
+    eos_token_ids,
+    prompts: list,
+    indices: list,
+    samples: list,
+    batch_size: int,
+    results,
+) -> None:
     """One distillation worker process: load the model, generate, and put
     ``(index, response, hidden)`` per finished prompt, then None, on ``results``."""
     leave_with_parent()
@@ -257,7 +283,9 @@ def _worker(load_args: tuple, max_tokens: int, sampling, eos_token_ids, prompts:
         results.put(("error", str(e) if isinstance(e, UserError) else f"{type(e).__name__}: {e}"))
 
 
-def parallel_stream(load_args: tuple, max_tokens: int, sampling, eos_token_ids, workers: int) -> Callable[[list, int, list], Iterator[tuple]]:
+def parallel_stream(
+    load_args: tuple, max_tokens: int, sampling, eos_token_ids, workers: int
+) -> Callable[[list, int, list], Iterator[tuple]]:
     """``response_stream`` spread over ``workers`` processes, each loading
     the model with ``load_base_model(*load_args)`` and running its own batch
     of ``batch_size`` rows with one BLAS thread. On a CPU, attention over the
@@ -278,8 +306,19 @@ def parallel_stream(load_args: tuple, max_tokens: int, sampling, eos_token_ids, 
         try:
             processes = [
                 context.Process(
-                    target=_worker, daemon=True,
-                    args=(load_args, max_tokens, sampling, eos_token_ids, [prompts[i] for i in part], part, [samples[i] for i in part], batch_size, results),
+                    target=_worker,
+                    daemon=True,
+                    args=(
+                        load_args,
+                        max_tokens,
+                        sampling,
+                        eos_token_ids,
+                        [prompts[i] for i in part],
+                        part,
+                        [samples[i] for i in part],
+                        batch_size,
+                        results,
+                    ),
                 )
                 for part in parts
             ]
@@ -298,7 +337,9 @@ def parallel_stream(load_args: tuple, max_tokens: int, sampling, eos_token_ids, 
                 except queue.Empty:
                     dead = [p.exitcode for p in processes if p.exitcode not in (None, 0)]
                     if dead:
-                        raise UserError(f"a distillation worker stopped (exit code {dead[0]}); run the same command again to resume") from None
+                        raise UserError(
+                            f"a distillation worker stopped (exit code {dead[0]}); run the same command again to resume"
+                        ) from None
                     continue
                 if item is None:
                     running -= 1
@@ -350,8 +391,12 @@ def distill(
         raise UserError(f"prompt on line {too_long[0] + 1} does not fit the model's context")
     foreign = [i for i, tokens in enumerate(tokenized) if any(t >= base.vocab_size for t in tokens)]
     if foreign:
-        raise UserError(f"prompt on line {foreign[0] + 1} holds token ids outside the model's vocabulary ({base.vocab_size})")
-    order = sorted(((i, k) for i in range(len(prompts)) for k in range(samples)), key=lambda unit: (len(tokenized[unit[0]]), unit))
+        raise UserError(
+            f"prompt on line {foreign[0] + 1} holds token ids outside the model's vocabulary ({base.vocab_size})"
+        )
+    order = sorted(
+        ((i, k) for i in range(len(prompts)) for k in range(samples)), key=lambda unit: (len(tokenized[unit[0]]), unit)
+    )
     chunks = [order[start : start + shard_size] for start in range(0, len(order), shard_size)]
     # Whole chunks are skipped; a folder written before chunks were fixed
     # may hold part of one, and only its missing responses are made.
@@ -359,19 +404,34 @@ def distill(
     left = sum(len(chunk) for chunk in chunks)
     new_tokens, start = 0, time.perf_counter()
     # The bar is closed on any error too, so that the error has a line of its own.
-    with tqdm(total=len(order), initial=len(order) - left, unit="response", disable=not progress, dynamic_ncols=True) as bar:
+    with tqdm(
+        total=len(order), initial=len(order) - left, unit="response", disable=not progress, dynamic_ncols=True
+    ) as bar:
         for chunk in filter(None, chunks):
             answers = {}
-            for local, response, hidden in generate([tokenized[i] for i, _ in chunk], batch_size, [k for _, k in chunk]):
+            for local, response, hidden in generate(
+                [tokenized[i] for i, _ in chunk], batch_size, [k for _, k in chunk]
+            ):
                 answers[local] = (response, hidden)
                 new_tokens += len(response)
                 bar.update(1)
                 bar.set_postfix_str(f"{new_tokens / (time.perf_counter() - start):.0f} tokens/s")
             responses, hidden = zip(*(answers[local] for local in range(len(chunk))))
             indices = [i for i, _ in chunk]
-            folder.write_shard(indices, [len(tokenized[i]) for i in indices], [tokenized[i] + r for i, r in zip(indices, responses)],
-                               list(hidden), [k for _, k in chunk])
-    return {"prompts": len(prompts), "responses": len(order), "new_responses": left, "new_tokens": new_tokens, "seconds": time.perf_counter() - start}
+            folder.write_shard(
+                indices,
+                [len(tokenized[i]) for i in indices],
+                [tokenized[i] + r for i, r in zip(indices, responses)],
+                list(hidden),
+                [k for _, k in chunk],
+            )
+    return {
+        "prompts": len(prompts),
+        "responses": len(order),
+        "new_responses": left,
+        "new_tokens": new_tokens,
+        "seconds": time.perf_counter() - start,
+    }
 
 
 def distill_command(
@@ -402,10 +462,14 @@ def distill_command(
     if (prompts is None) == (self_prompts is None):
         raise UserError("give either a prompts file or a number of self-written prompts")
     if samples > 1 and sampling.temp == 0:
-        raise UserError("more than one sample per prompt needs a temperature above 0: greedy answers to a prompt are all the same")
+        raise UserError(
+            "more than one sample per prompt needs a temperature above 0: greedy answers to a prompt are all the same"
+        )
     texts = read_prompts(prompts)[:limit] if prompts else None
     folder = DataFolder(output)
-    settings = dict(model=model or "default", max_tokens=max_tokens, temp=sampling.temp, top_p=sampling.top_p, seed=sampling.seed)
+    settings = dict(
+        model=model or "default", max_tokens=max_tokens, temp=sampling.temp, top_p=sampling.top_p, seed=sampling.seed
+    )
     for name, off in (("top_k", 0), ("min_p", 0.0), ("repetition_penalty", None)):
         if getattr(sampling, name) != off:
             settings[name] = getattr(sampling, name)
@@ -415,9 +479,27 @@ def distill_command(
     base_model, tokenizer = load_base_model(model, dtype)
     base = BaseModel(base_model)
     if self_prompts is not None:
-        texts = write_self_prompts(base, tokenizer.decode, user_turn(tokenizer), self_prompts, Path(output) / PROMPTS_FILE, seed=sampling.seed, batch_size=batch_size)
+        texts = write_self_prompts(
+            base,
+            tokenizer.decode,
+            user_turn(tokenizer),
+            self_prompts,
+            Path(output) / PROMPTS_FILE,
+            seed=sampling.seed,
+            batch_size=batch_size,
+        )
     if workers > 1:
         generate = parallel_stream((model, dtype), max_tokens, sampling, tokenizer.eos_token_ids, workers)
     else:
         generate = response_stream(base, max_tokens, sampling, tokenizer.eos_token_ids)
-    return distill(base, lambda text: encode_prompt(tokenizer, text), texts, folder, settings, generate, batch_size, samples, shard_size)
+    return distill(
+        base,
+        lambda text: encode_prompt(tokenizer, text),
+        texts,
+        folder,
+        settings,
+        generate,
+        batch_size,
+        samples,
+        shard_size,
+    )

@@ -56,7 +56,9 @@ SHARES = {"distill": 0.55, "train": 0.3, "measure": 0.15}  # of the hours, per k
 MAX_DRAFT_VOCAB = 16384
 BATCH = 512  # training positions per step
 MAX_EPOCHS = 2.0  # training steps stop at this many passes over the data
-BYTES_PER_POSITION_AND_DIM = 2 + 1  # float16 hidden states, and what the token data and indexes add per position and dimension
+BYTES_PER_POSITION_AND_DIM = (
+    2 + 1
+)  # float16 hidden states, and what the token data and indexes add per position and dimension
 CHAT_TEMP = 0.7  # a chat model's sampling temperature, where its folder recommends none
 TEXT_TEMPS = (0.7, 1.0)  # completion temperatures a pretrained model is distilled at
 MEASURE_TOKENS = 256
@@ -91,8 +93,10 @@ def check_disk(folder: Path, needed: int) -> None:
         probe = probe.parent
     free = shutil.disk_usage(probe).free
     if free < 1.5 * needed:
-        raise UserError(f"too little disk: the data for this drafter needs about {needed / 1e9:.1f} GB and {probe} has "
-                        f"{free / 1e9:.1f} GB free; free some space, or give fewer --hours")
+        raise UserError(
+            f"too little disk: the data for this drafter needs about {needed / 1e9:.1f} GB and {probe} has "
+            f"{free / 1e9:.1f} GB free; free some space, or give fewer --hours"
+        )
 
 
 def cpu_seconds() -> float:
@@ -125,11 +129,15 @@ class Stages:
         result["seconds"] = round(time.time() - tic)
         result["cpu_seconds"] = round(cpu_seconds() - cpu)
         self.done[name] = result
-        files.write_json(self.done_path, self.done, "the stages done before are kept: free space and run the same command again")
+        files.write_json(
+            self.done_path, self.done, "the stages done before are kept: free space and run the same command again"
+        )
         return result
 
 
-def measure_rates(base, tokenizer, texts: list, chat: bool, exit_dim: int, draft_vocab: int, seconds: float = 20.0) -> dict:
+def measure_rates(
+    base, tokenizer, texts: list, chat: bool, exit_dim: int, draft_vocab: int, seconds: float = 20.0
+) -> dict:
     """This machine's distillation rate (generated tokens a second, at
     distillation's batch of 64, in one process, after the prefill) and
     training rate (seconds a step of ``BATCH`` positions), each from a
@@ -172,12 +180,27 @@ def measure_rates(base, tokenizer, texts: list, chat: bool, exit_dim: int, draft
         optimizer.update(drafter, grads)
         mx.eval(loss, drafter.parameters(), optimizer.state)
         times.append(time.perf_counter() - t)
-    return {"distill_tokens_per_second": round(distill_rate, 1), "train_seconds_per_step": round(statistics.median(times[1:]), 3)}
+    return {
+        "distill_tokens_per_second": round(distill_rate, 1),
+        "train_seconds_per_step": round(statistics.median(times[1:]), 3),
+    }
 
 
-def make_plan(model: Optional[str], dtype: Optional[str], output: str, prompts: Optional[str], hours: float, *, seed: int = 0,
-              held_out: Optional[int] = None, max_prompts: Optional[int] = None, steps: Optional[int] = None,
-              max_tokens: int = 256, measure_prompts: Optional[int] = None, say=print) -> dict:
+def make_plan(
+    model: Optional[str],
+    dtype: Optional[str],
+    output: str,
+    prompts: Optional[str],
+    hours: float,
+    *,
+    seed: int = 0,
+    held_out: Optional[int] = None,
+    max_prompts: Optional[int] = None,
+    steps: Optional[int] = None,
+    max_tokens: int = 256,
+    measure_prompts: Optional[int] = None,
+    say=print,
+) -> dict:
     """The plan of a new run (see the module docstring): what the model is,
     the prompts and their split, the distillation runs, the training
     settings, the measurement, and each stage's estimated seconds.
@@ -193,8 +216,10 @@ def make_plan(model: Optional[str], dtype: Optional[str], output: str, prompts: 
     identity = model_identity(base, tokenizer)
     chat = bool(tokenizer.has_chat_template)
     if prompts is None and not chat:
-        raise UserError("this model has no chat template, so it cannot write its own prompts: give --prompts FILE "
-                        "(text openings it will continue, one {\"prompt\": ...} per line)")
+        raise UserError(
+            "this model has no chat template, so it cannot write its own prompts: give --prompts FILE "
+            '(text openings it will continue, one {"prompt": ...} per line)'
+        )
     texts = read_prompts(prompts) if prompts else None
     if texts is not None and len(texts) < 2:
         raise UserError(f"{prompts} holds {len(texts)} prompt; the recipe needs at least 2 (one is held out)")
@@ -233,8 +258,17 @@ def make_plan(model: Optional[str], dtype: Optional[str], output: str, prompts: 
     for i, (temp, share) in enumerate(zip(temps, shares)):
         n = len(train_index) - start if i == len(temps) - 1 else int(round(len(train_index) * share))
         # A chat model samples with top-p 0.9 (``chat``'s default), a completion with none.
-        runs.append({"name": f"distill-t{temp:g}", "temp": temp, "top_p": 0.9 if chat and temp > 0 else 1.0, "seed": seed + i, "first": start,
-                     "count": n, "max_tokens": max_tokens})
+        runs.append(
+            {
+                "name": f"distill-t{temp:g}",
+                "temp": temp,
+                "top_p": 0.9 if chat and temp > 0 else 1.0,
+                "seed": seed + i,
+                "first": start,
+                "count": n,
+                "max_tokens": max_tokens,
+            }
+        )
         start += n
     if measure_prompts is None:
         measure_prompts = min(len(held_index), 12)
@@ -256,21 +290,39 @@ def make_plan(model: Optional[str], dtype: Optional[str], output: str, prompts: 
         "train_prompts": train_index,
         "held_out_prompts": held_index,
         "runs": runs,
-        "train": {"steps": steps, "batch_size": min(BATCH, max(8, int(positions) // 2)), "learning_rate": 2e-3, "warmup": min(100, steps // 10),
-                  "exit_dim": exit_dim, "warm_start": True, "freeze_head_steps": steps, "hidden_loss": 1.0, "num_draft_layers": 1,
-                  "draft_vocab": vocab, "eval_every": max(steps // 4, 1), "save_every": max(min(200, steps // 8), 1), "seed": seed},
-        "measure": {"prompts": measure_prompts, "max_tokens": MEASURE_TOKENS, "temps": [0.0, temps[-1] if chat else temps[0]],
-                    "top_p": 0.9 if chat else 1.0},
+        "train": {
+            "steps": steps,
+            "batch_size": min(BATCH, max(8, int(positions) // 2)),
+            "learning_rate": 2e-3,
+            "warmup": min(100, steps // 10),
+            "exit_dim": exit_dim,
+            "warm_start": True,
+            "freeze_head_steps": steps,
+            "hidden_loss": 1.0,
+            "num_draft_layers": 1,
+            "draft_vocab": vocab,
+            "eval_every": max(steps // 4, 1),
+            "save_every": max(min(200, steps // 8), 1),
+            "seed": seed,
+        },
+        "measure": {
+            "prompts": measure_prompts,
+            "max_tokens": MEASURE_TOKENS,
+            "temps": [0.0, temps[-1] if chat else temps[0]],
+            "top_p": 0.9 if chat else 1.0,
+        },
         "rates": rates,
         "hours": hours,
     }
     plan["stages"] = (
         ([{"name": "self-prompts", "seconds": count * 40 / distill_rate}] if texts is None else [])
         + [{"name": r["name"], "seconds": r["count"] * per_prompt / distill_rate} for r in runs]
-        + [{"name": "train", "seconds": steps * train_step},
-           {"name": "datastore", "seconds": 30.0},
-           {"name": "compact", "seconds": 5.0},
-           {"name": "measure", "seconds": SHARES["measure"] * budget}]
+        + [
+            {"name": "train", "seconds": steps * train_step},
+            {"name": "datastore", "seconds": 30.0},
+            {"name": "compact", "seconds": 5.0},
+            {"name": "measure", "seconds": SHARES["measure"] * budget},
+        ]
     )
     return plan
 
@@ -293,8 +345,12 @@ def explicit_plan(path: str, model: Optional[str], dtype: Optional[str]) -> dict
         plan = json.loads(Path(path).read_text())
         runs, train, measure = plan["runs"], plan["train"], plan["measure"]
         for run in runs:
-            if not {"name", "temp", "seed", "max_tokens"} <= set(run) or not (run.get("prompts") or run.get("self_prompts")):
-                raise ValueError(f"run {run.get('name')!r} needs name, temp, seed, max_tokens, and prompts or self_prompts")
+            if not {"name", "temp", "seed", "max_tokens"} <= set(run) or not (
+                run.get("prompts") or run.get("self_prompts")
+            ):
+                raise ValueError(
+                    f"run {run.get('name')!r} needs name, temp, seed, max_tokens, and prompts or self_prompts"
+                )
         if len({run["name"] for run in runs}) != len(runs):
             raise ValueError("two runs share a name")
         TrainConfig(**{k: v for k, v in train.items() if k in TrainConfig.__dataclass_fields__})
@@ -310,9 +366,21 @@ def explicit_plan(path: str, model: Optional[str], dtype: Optional[str]) -> dict
         if run.get("prompts"):
             run["prompts"] = os.path.abspath(run["prompts"])
     measure["prompts_file"] = os.path.abspath(measure["prompts_file"])
-    plan.update(version=1, model=model or "default", kind="chat" if tokenizer.has_chat_template else "text", dtype=dtype,
-                prompts=None, self_prompts=None, hours=None, seed=plan.get("seed", 0), runs=runs, train=train, measure=measure,
-                stages=[{"name": r["name"], "seconds": 0.0} for r in runs] + [{"name": n, "seconds": 0.0} for n in ("train", "datastore", "compact", "measure")])
+    plan.update(
+        version=1,
+        model=model or "default",
+        kind="chat" if tokenizer.has_chat_template else "text",
+        dtype=dtype,
+        prompts=None,
+        self_prompts=None,
+        hours=None,
+        seed=plan.get("seed", 0),
+        runs=runs,
+        train=train,
+        measure=measure,
+        stages=[{"name": r["name"], "seconds": 0.0} for r in runs]
+        + [{"name": n, "seconds": 0.0} for n in ("train", "datastore", "compact", "measure")],
+    )
     return plan
 
 
@@ -327,16 +395,28 @@ def load_or_make_plan(output: str, model: Optional[str], say=print, plan_file: O
         except (OSError, ValueError) as e:
             raise UserError(f"cannot read the plan {path} ({e}); remove {work} to start again") from None
         if plan.get("model") != (model or "default"):
-            raise UserError(f"{work} holds a run for model {plan.get('model')}, not {model or 'default'}; use another --output")
+            raise UserError(
+                f"{work} holds a run for model {plan.get('model')}, not {model or 'default'}; use another --output"
+            )
         say(f"resuming the run planned in {path}")
         return plan
     out = Path(output)
     if out.exists() and any(not p.name.startswith(".") for p in out.iterdir()):
-        raise UserError(f"output folder {output} exists and is not empty, and {work} holds no plan to resume; use a new --output")
+        raise UserError(
+            f"output folder {output} exists and is not empty, and {work} holds no plan to resume; use a new --output"
+        )
     if plan_file is not None:
         plan = explicit_plan(plan_file, model, options.get("dtype"))
     else:
-        plan = make_plan(model, options.pop("dtype", None), output, options.pop("prompts", None), options.pop("hours"), say=say, **options)
+        plan = make_plan(
+            model,
+            options.pop("dtype", None),
+            output,
+            options.pop("prompts", None),
+            options.pop("hours"),
+            say=say,
+            **options,
+        )
     files.write_json(path, plan)
     return plan
 
@@ -347,13 +427,25 @@ def write_prompt_split(plan: dict, work: Path) -> None:
     from ..serving.prompts import read_prompts
     from .self_prompts import read_self_prompts
 
-    texts = read_prompts(plan["prompts"]) if plan["prompts"] else [r["prompt"] for r in read_self_prompts(work / "self-prompts.jsonl")]
+    texts = (
+        read_prompts(plan["prompts"])
+        if plan["prompts"]
+        else [r["prompt"] for r in read_self_prompts(work / "self-prompts.jsonl")]
+    )
 
     def write(name: str, indices: list) -> None:
         lines = []
         for i in indices:
             text = texts[i]
-            lines.append(json.dumps({"prompt": text} if isinstance(text, str) else {"messages": text} if isinstance(text[0], dict) else {"tokens": text}))
+            lines.append(
+                json.dumps(
+                    {"prompt": text}
+                    if isinstance(text, str)
+                    else {"messages": text}
+                    if isinstance(text[0], dict)
+                    else {"tokens": text}
+                )
+            )
         files.write_text(work / name, "\n".join(lines) + "\n")
 
     write(HELD_OUT_PROMPTS, plan["held_out_prompts"])
@@ -378,7 +470,10 @@ def run_prompts(run: dict, work: Path, tokenizer=None) -> str:
     if not path.exists():
         texts = read_prompts(run["prompts"])
         order = sorted(range(len(texts)), key=lambda i: (len(encode_prompt(tokenizer, texts[i])), i))[: run["shortest"]]
-        lines = [json.dumps({"prompt": texts[i]} if isinstance(texts[i], str) else {"messages": texts[i]}) for i in sorted(order)]
+        lines = [
+            json.dumps({"prompt": texts[i]} if isinstance(texts[i], str) else {"messages": texts[i]})
+            for i in sorted(order)
+        ]
         files.write_text(path, "\n".join(lines) + "\n")
     return str(path)
 
@@ -407,14 +502,22 @@ def make_drafter(output: str, model: Optional[str] = None, *, say=print, workers
     dtype = plan.get("dtype")
     model = None if plan["model"] == "default" else plan["model"]
     if plan.get("self_prompts") and plan.get("train_prompts") is not None:
+
         def write_self():
             from ..engine.base_model import BaseModel
             from ..loading.loader import load_base_model
             from .self_prompts import user_turn, write_self_prompts
 
             base_model, tokenizer = load_base_model(model, dtype)
-            write_self_prompts(BaseModel(base_model), tokenizer.decode, user_turn(tokenizer), plan["self_prompts"], work / "self-prompts.jsonl",
-                               seed=plan["seed"])
+            write_self_prompts(
+                BaseModel(base_model),
+                tokenizer.decode,
+                user_turn(tokenizer),
+                plan["self_prompts"],
+                work / "self-prompts.jsonl",
+                seed=plan["seed"],
+            )
+
         stages.run("self-prompts", estimates["self-prompts"], write_self)
     if plan.get("train_prompts") is not None:
         write_prompt_split(plan, work)
@@ -435,9 +538,19 @@ def make_drafter(output: str, model: Optional[str] = None, *, say=print, workers
             else:
                 tokenizer = load_base_model(model, dtype)[1] if run.get("shortest") else None
                 source = dict(prompts=run_prompts(run, work, tokenizer), limit=run.get("limit"))
-            totals = distill_command(str(folder), model, dtype, sampling, **source, max_tokens=run["max_tokens"], batch_size=run.get("batch_size", 64),
-                                     samples=run.get("samples", 1), workers=workers)
+            totals = distill_command(
+                str(folder),
+                model,
+                dtype,
+                sampling,
+                **source,
+                max_tokens=run["max_tokens"],
+                batch_size=run.get("batch_size", 64),
+                samples=run.get("samples", 1),
+                workers=workers,
+            )
             return {"responses": totals["responses"], "tokens": totals["new_tokens"]}
+
         stages.run(run["name"], estimates.get(run["name"], 0.0), distil)
     config = TrainConfig(**{k: v for k, v in plan["train"].items() if k in TrainConfig.__dataclass_fields__})
     staged = str(adopt_old_layout(output, work, stages.done))
@@ -449,10 +562,17 @@ def make_drafter(output: str, model: Optional[str] = None, *, say=print, workers
         # A batch never larger than half the positions there are (a tiny run's).
         positions = sum(int(cached_positions(DataFolder(f).load()).sum()) for f in folders)
         config.batch_size = max(1, min(config.batch_size, positions // 2))
-        result = train_drafter(folders, staged, config, model, dtype, resumed=lambda step: say(f"resuming training from step {step}"))
+        result = train_drafter(
+            folders, staged, config, model, dtype, resumed=lambda step: say(f"resuming training from step {step}")
+        )
         return {"held_out": {k: v for k, v in result.items() if k != "step"}}
+
     stages.run("train", estimates["train"], train)
-    stages.run("datastore", estimates["datastore"], lambda: dict(zip(("path", "tokens", "answers"), map(str, add_datastore(staged, stored)))))
+    stages.run(
+        "datastore",
+        estimates["datastore"],
+        lambda: dict(zip(("path", "tokens", "answers"), map(str, add_datastore(staged, stored)))),
+    )
 
     def compact():
         # Written beside, then moved in: a run killed here keeps a whole drafter.
@@ -466,16 +586,21 @@ def make_drafter(output: str, model: Optional[str] = None, *, say=print, workers
         for name in (WEIGHTS_FILE, CONFIG_FILE):
             os.replace(compacted / name, Path(staged) / name)
         return {"bytes": (Path(staged) / WEIGHTS_FILE).stat().st_size}
+
     stages.run("compact", estimates["compact"], compact)
 
     def measure():
-        return measure_speed(staged, model, dtype, Path(plan["measure"].get("prompts_file") or work / HELD_OUT_PROMPTS), plan, work, say)
+        return measure_speed(
+            staged, model, dtype, Path(plan["measure"].get("prompts_file") or work / HELD_OUT_PROMPTS), plan, work, say
+        )
+
     figures = stages.run("measure", estimates["measure"], measure)
 
     def card():
         record_in_card(staged, plan, stages.done, command)
         name = Path(os.path.abspath(output)).name
         files.write_text(Path(staged) / MODEL_CARD_FILE, model_card(staged, name, f"{name}{WORK_SUFFIX}/"))
+
     stages.run("card", 0.0, card)
     if Path(staged).is_dir():
         publish(Path(staged), Path(output))
@@ -503,7 +628,9 @@ def adopt_old_layout(output: str, work: Path, done: dict) -> Path:
     return staged
 
 
-def measure_speed(output: str, model: Optional[str], dtype: Optional[str], held_out: Path, plan: dict, work: Path, say) -> dict:
+def measure_speed(
+    output: str, model: Optional[str], dtype: Optional[str], held_out: Path, plan: dict, work: Path, say
+) -> dict:
     """Plain decoding against the new drafter (the default settings) and
     against context lookup alone, on the held-out prompts, alternating, at
     each planned temperature: medians and per-prompt figures. Each
@@ -517,7 +644,9 @@ def measure_speed(output: str, model: Optional[str], dtype: Optional[str], held_
 
     redrafter, tokenizer = load(model, drafter=output, dtype=dtype)
     chat = plan["kind"] == "chat"
-    prompts = [encode_prompt(tokenizer, t, chat_template=chat) for t in read_prompts(str(held_out))][: plan["measure"]["prompts"]]
+    prompts = [encode_prompt(tokenizer, t, chat_template=chat) for t in read_prompts(str(held_out))][
+        : plan["measure"]["prompts"]
+    ]
     curve = benchmark.calibration(redrafter, 1)
     figures = {}
     for temp in plan["measure"]["temps"]:
@@ -525,16 +654,45 @@ def measure_speed(output: str, model: Optional[str], dtype: Optional[str], held_
         if kept.exists():
             figures[f"temp {temp:g}"] = json.loads(kept.read_text())
             continue
-        choose = make_chooser(SamplingSettings(temp=temp, top_p=plan["measure"].get("top_p", 1.0) if temp > 0 else 1.0, seed=plan["seed"]))
-        results = benchmark.run_benchmark(redrafter, prompts, benchmark.parse_configs("auto,lookup"), max_tokens=plan["measure"]["max_tokens"],
-                                          batch_size=1, repeats=1, choose=choose, eos=list(tokenizer.eos_token_ids), curve=curve)
+        choose = make_chooser(
+            SamplingSettings(temp=temp, top_p=plan["measure"].get("top_p", 1.0) if temp > 0 else 1.0, seed=plan["seed"])
+        )
+        results = benchmark.run_benchmark(
+            redrafter,
+            prompts,
+            benchmark.parse_configs("auto,lookup"),
+            max_tokens=plan["measure"]["max_tokens"],
+            batch_size=1,
+            repeats=1,
+            choose=choose,
+            eos=list(tokenizer.eos_token_ids),
+            curve=curve,
+        )
         summary = {r.name: r.summary() for r in results}
-        figures[f"temp {temp:g}"] = {name: {k: s[k] for k in ("speedup_median", "speedup_min", "speedup_max", "tokens_per_step", "nodes_per_step",
-                                                               "baseline_tps", "redrafter_tps", "mismatches")}
-                                     for name, s in summary.items()}
+        figures[f"temp {temp:g}"] = {
+            name: {
+                k: s[k]
+                for k in (
+                    "speedup_median",
+                    "speedup_min",
+                    "speedup_max",
+                    "tokens_per_step",
+                    "nodes_per_step",
+                    "baseline_tps",
+                    "redrafter_tps",
+                    "mismatches",
+                )
+            }
+            for name, s in summary.items()
+        }
         files.write_text(kept, json.dumps(figures[f"temp {temp:g}"]) + "\n")
-        say(f"temperature {temp:g}: " + ", ".join(f"{name} {s['speedup_median']:.2f}x ({s['tokens_per_step']:.2f} tokens/step)"
-                                                  for name, s in summary.items()))
+        say(
+            f"temperature {temp:g}: "
+            + ", ".join(
+                f"{name} {s['speedup_median']:.2f}x ({s['tokens_per_step']:.2f} tokens/step)"
+                for name, s in summary.items()
+            )
+        )
     figures["prompts"] = len(prompts)
     figures["max_tokens"] = plan["measure"]["max_tokens"]
     return figures
@@ -550,13 +708,25 @@ def record_in_card(output: str, plan: dict, done: dict, command: Optional[str]) 
     config["made"] = {
         "command": command or "redrafter-mlx make-drafter",
         "kind": plan["kind"],
-        "prompts": plan["prompts"] or (f"{plan['self_prompts']} prompts the model wrote itself" if plan.get("self_prompts")
-                                       else "the plan's own prompts files"),
+        "prompts": plan["prompts"]
+        or (
+            f"{plan['self_prompts']} prompts the model wrote itself"
+            if plan.get("self_prompts")
+            else "the plan's own prompts files"
+        ),
         "train_prompts": len(plan.get("train_prompts") or []),
         "held_out_prompts": len(plan.get("held_out_prompts") or []) or plan["measure"]["prompts"],
-        "runs": [{"name": r["name"], "temp": r["temp"], "count": r.get("count") or r.get("shortest") or r.get("limit") or r.get("self_prompts") or "all",
-                  "max_tokens": r["max_tokens"], **({"prompts": r["prompts"]} if r.get("prompts") else {}),
-                  **({"responses": done[r["name"]]["responses"]} if "responses" in done.get(r["name"], {}) else {})} for r in plan["runs"]],
+        "runs": [
+            {
+                "name": r["name"],
+                "temp": r["temp"],
+                "count": r.get("count") or r.get("shortest") or r.get("limit") or r.get("self_prompts") or "all",
+                "max_tokens": r["max_tokens"],
+                **({"prompts": r["prompts"]} if r.get("prompts") else {}),
+                **({"responses": done[r["name"]]["responses"]} if "responses" in done.get(r["name"], {}) else {}),
+            }
+            for r in plan["runs"]
+        ],
         **({"note": plan["note"]} if plan.get("note") else {}),
         "held_out_file": plan["measure"].get("prompts_file") and Path(plan["measure"]["prompts_file"]).name,
         "hours_asked": plan["hours"],

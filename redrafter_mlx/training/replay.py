@@ -40,7 +40,13 @@ def load_greedy_folder(data: str, model: Optional[str] = None) -> tuple[BaseMode
 
 
 def accepted_lengths(
-    drafter, embed, hidden: np.ndarray, windows: np.ndarray, width: int, batch_size: int = 2048, later_rows: Optional[int] = None
+    drafter,
+    embed,
+    hidden: np.ndarray,
+    windows: np.ndarray,
+    width: int,
+    batch_size: int = 2048,
+    later_rows: Optional[int] = None,
 ) -> np.ndarray:
     """Drafts accepted at each position.
 
@@ -98,7 +104,12 @@ def lookup_lengths(sequences: Sequences, keep: np.ndarray, depth: int) -> np.nda
     counts = cached_positions(sequences)
     starts = np.concatenate([[0], np.cumsum(sequences.lengths)[:-1]])
     parts = [
-        lookup_depths(sequences.tokens[starts[i] : starts[i] + sequences.lengths[i]].tolist(), int(sequences.prompt_lengths[i]) - 1, int(counts[i]), depth)
+        lookup_depths(
+            sequences.tokens[starts[i] : starts[i] + sequences.lengths[i]].tolist(),
+            int(sequences.prompt_lengths[i]) - 1,
+            int(counts[i]),
+            depth,
+        )
         for i in np.flatnonzero(keep)
     ]
     return np.concatenate(parts) if parts else np.zeros(0, np.int64)
@@ -124,7 +135,15 @@ def datastore_lengths(datastore, sequences: Sequences, keep: np.ndarray, depth: 
         sequence = sequences.tokens[starts[i] : starts[i] + sequences.lengths[i]].tolist()
         for t in range(int(sequences.prompt_lengths[i]) - 1, len(sequence) - 1):
             target = sequence[t + 2 : t + 2 + depth]
-            out.append(max((agreeing_prefix(drafted, target) for drafted, _, _ in datastore.propose(sequence[: t + 2], depth, beams)), default=0))
+            out.append(
+                max(
+                    (
+                        agreeing_prefix(drafted, target)
+                        for drafted, _, _ in datastore.propose(sequence[: t + 2], depth, beams)
+                    ),
+                    default=0,
+                )
+            )
     return np.array(out, np.int64)
 
 
@@ -152,12 +171,16 @@ def tokens_per_step(accepted: np.ndarray, counts: np.ndarray) -> Optional[float]
     return float(np.maximum(counts - 1, 0).sum() / steps) if steps else None
 
 
-def step_figures(name: str, accepted: np.ndarray, counts: np.ndarray, lookup_depth: Optional[np.ndarray], lookup_length: int) -> dict:
+def step_figures(
+    name: str, accepted: np.ndarray, counts: np.ndarray, lookup_depth: Optional[np.ndarray], lookup_length: int
+) -> dict:
     """``{name: tokens per step}``, and with ``lookup_depth`` also
     ``{name + "+lookup": the same with one lookup continuation of
     ``lookup_length`` tokens in the tree}`` (``with_continuation``), rounded
     to three places as the result files keep them."""
     figures = {name: round(tokens_per_step(accepted, counts), 3)}
     if lookup_depth is not None:
-        figures[f"{name}+lookup"] = round(tokens_per_step(with_continuation(accepted, lookup_depth, lookup_length), counts), 3)
+        figures[f"{name}+lookup"] = round(
+            tokens_per_step(with_continuation(accepted, lookup_depth, lookup_length), counts), 3
+        )
     return figures

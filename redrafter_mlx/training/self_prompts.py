@@ -34,8 +34,12 @@ class UserTurn:
 def user_turn(tokenizer) -> UserTurn:
     """Where the chat template puts a user's message, or one clear error."""
     if not tokenizer.has_chat_template:
-        raise UserError("writing its own prompts needs a model with a chat template (the model writes user turns of it)")
-    text = tokenizer.apply_chat_template([{"role": "user", "content": MARKER}], tokenize=False, add_generation_prompt=False)
+        raise UserError(
+            "writing its own prompts needs a model with a chat template (the model writes user turns of it)"
+        )
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": MARKER}], tokenize=False, add_generation_prompt=False
+    )
     at = text.find(MARKER)
     if at <= 0:
         raise UserError("self-written prompts: the model's chat template does not show where a user's message begins")
@@ -51,7 +55,11 @@ def read_self_prompts(path: Path) -> list[dict]:
     try:
         records = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
         for record in records:
-            if not (isinstance(record, dict) and isinstance(record.get("prompt"), str) and isinstance(record.get("attempt"), int)):
+            if not (
+                isinstance(record, dict)
+                and isinstance(record.get("prompt"), str)
+                and isinstance(record.get("attempt"), int)
+            ):
                 raise ValueError('every line needs a "prompt" string and an "attempt" number')
         return records
     except (OSError, UnicodeDecodeError, ValueError) as e:
@@ -59,8 +67,11 @@ def read_self_prompts(path: Path) -> list[dict]:
 
 
 def _write_records(path: Path, records: list[dict]) -> None:
-    files.write_text(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records),
-                     "the prompts written before are kept: free space and run the same command again to resume")
+    files.write_text(
+        path,
+        "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records),
+        "the prompts written before are kept: free space and run the same command again to resume",
+    )
 
 
 def write_self_prompts(
@@ -94,7 +105,14 @@ def write_self_prompts(
     records = read_self_prompts(path)[:count]
     seen = {r["prompt"] for r in records}
     attempt = max((r["attempt"] for r in records), default=-1) + 1
-    bar = tqdm(total=count, initial=len(records), unit="prompt", desc="writing prompts", disable=not progress, dynamic_ncols=True)
+    bar = tqdm(
+        total=count,
+        initial=len(records),
+        unit="prompt",
+        desc="writing prompts",
+        disable=not progress,
+        dynamic_ncols=True,
+    )
     while len(records) < count:
         if attempt >= max_attempts:
             raise UserError(
@@ -104,7 +122,9 @@ def write_self_prompts(
         attempts = list(range(attempt, min(attempt + batch_size, max_attempts)))
         choose = make_chooser(SamplingSettings(temp=temp, row_seeds=[row_seed(seed, k) for k in attempts]))
         written = {}
-        for step in autoregressive_steps(base, [turn.header] * len(attempts), max_tokens=max_tokens, choose=choose, eos_token_ids=sorted(turn.stop)):
+        for step in autoregressive_steps(
+            base, [turn.header] * len(attempts), max_tokens=max_tokens, choose=choose, eos_token_ids=sorted(turn.stop)
+        ):
             for out in step:
                 written.setdefault(out.row, []).extend(out.tokens)
                 if out.finish_reason == "length":

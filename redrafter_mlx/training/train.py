@@ -43,8 +43,14 @@ from .distill import Sequences, data_folders
 from .trainer import Trainer, train
 
 
-def train_drafter(data: list, output: str, config: TrainConfig, model: Optional[str] = None, dtype: Optional[str] = "auto",
-                  resumed: Optional[Callable[[int], None]] = None) -> dict:
+def train_drafter(
+    data: list,
+    output: str,
+    config: TrainConfig,
+    model: Optional[str] = None,
+    dtype: Optional[str] = "auto",
+    resumed: Optional[Callable[[int], None]] = None,
+) -> dict:
     """``redrafter-mlx train``: train a drafter for ``model`` (None: the
     embedded one; it must be the model the data was distilled from) on the
     data folders ``data``; the finished drafter goes to the folder
@@ -62,8 +68,14 @@ def train_drafter(data: list, output: str, config: TrainConfig, model: Optional[
         recover_checkpoint(state)
     if (out / CHECKPOINT_DIR).is_dir():
         move_old_training_state(out, state)
-    if out.exists() and any(not p.name.startswith(".") for p in out.iterdir()) and not (state / CHECKPOINT_DIR).is_dir():
-        raise UserError(f"output folder {output} exists and {state} holds no training checkpoint to resume; use a new output folder")
+    if (
+        out.exists()
+        and any(not p.name.startswith(".") for p in out.iterdir())
+        and not (state / CHECKPOINT_DIR).is_dir()
+    ):
+        raise UserError(
+            f"output folder {output} exists and {state} holds no training checkpoint to resume; use a new output folder"
+        )
     folders = data_folders(data)
     for folder in folders:
         if folder.meta is None:
@@ -87,12 +99,21 @@ def train_drafter(data: list, output: str, config: TrainConfig, model: Optional[
         result = train(trainer, log=lambda record: log.write(json.dumps(record) + "\n"))
     if not result:  # resumed at the last step: nothing trained, measure again for the card
         result = trainer.evaluate()
-    trainer.export({
-        "base_model": base_model_entry(model, model_identity(base, tokenizer)),
-        "training": dict(asdict(config), data=list(data), sequences=len(sequences), positions=int((~positions.held_out).sum()),
-                         distill_settings=[{k: meta.get(k) for k in ("max_tokens", "temp", "num_prompts")} for meta in metas],
-                         data_sizes=[{"sequences": len(part), "generated_tokens": int(cached_positions(part).sum())} for part in parts],
-                         seconds_this_run=round(time.time() - started), **result),
-    })
+    trainer.export(
+        {
+            "base_model": base_model_entry(model, model_identity(base, tokenizer)),
+            "training": dict(
+                asdict(config),
+                data=list(data),
+                sequences=len(sequences),
+                positions=int((~positions.held_out).sum()),
+                distill_settings=[{k: meta.get(k) for k in ("max_tokens", "temp", "num_prompts")} for meta in metas],
+                data_sizes=[
+                    {"sequences": len(part), "generated_tokens": int(cached_positions(part).sum())} for part in parts
+                ],
+                seconds_this_run=round(time.time() - started),
+                **result,
+            ),
+        }
+    )
     return result
-

@@ -114,7 +114,15 @@ def warm_start(drafter: Drafter, base, draft_token_ids: Optional[np.ndarray]) ->
 class Trainer:
     """Holds the drafter, optimizer, data and step counter; resumable."""
 
-    def __init__(self, base, positions: Positions, hidden_cache: np.ndarray, config: TrainConfig, output: str, draft_token_ids: Optional[np.ndarray]):
+    def __init__(
+        self,
+        base,
+        positions: Positions,
+        hidden_cache: np.ndarray,
+        config: TrainConfig,
+        output: str,
+        draft_token_ids: Optional[np.ndarray],
+    ):
         """``output``: the drafter folder ``export`` writes; checkpoints go
         to its training state folder (``training_state_folder``)."""
         self.base, self.config, self.output = base, config, Path(output)
@@ -123,7 +131,9 @@ class Trainer:
         self.train_rows = np.flatnonzero(~positions.held_out)
         self.eval_rows = np.flatnonzero(positions.held_out)
         if len(self.train_rows) < config.batch_size:
-            raise UserError(f"only {len(self.train_rows)} training positions, fewer than one batch of {config.batch_size}")
+            raise UserError(
+                f"only {len(self.train_rows)} training positions, fewer than one batch of {config.batch_size}"
+            )
         args = DrafterArgs(
             vocab_size=base.vocab_size,
             hidden_size=base.hidden_size,
@@ -133,7 +143,9 @@ class Trainer:
             sorted_draft_vocab=draft_token_ids is not None,  # build_draft_vocab: most frequent first
         )
         if (config.warm_start or config.hidden_loss > 0) and config.exit_dim != base.hidden_size:
-            raise UserError(f"a warm start and the hidden-state loss need an exit dim equal to the base model's hidden size {base.hidden_size}")
+            raise UserError(
+                f"a warm start and the hidden-state loss need an exit dim equal to the base model's hidden size {base.hidden_size}"
+            )
         mx.random.seed(config.seed)
         self.drafter = Drafter(args)
         if config.warm_start:
@@ -146,8 +158,10 @@ class Trainer:
         if draft_token_ids is not None:
             self.drafter.freeze(keys=["draft_token_ids"], strict=False)
         schedule = optim.join_schedules(
-            [optim.linear_schedule(1e-7, config.learning_rate, max(config.warmup, 1)),
-             optim.cosine_decay(config.learning_rate, max(config.steps - config.warmup, 1), 0.0)],
+            [
+                optim.linear_schedule(1e-7, config.learning_rate, max(config.warmup, 1)),
+                optim.cosine_decay(config.learning_rate, max(config.steps - config.warmup, 1), 0.0),
+            ],
             [max(config.warmup, 1)],
         )
         self.optimizer = optim.AdamW(learning_rate=schedule, weight_decay=config.weight_decay)

@@ -16,7 +16,7 @@ def test_proposes_what_followed_the_longest_matching_suffix_with_shares():
     # (2, 3) occurred twice, followed by 4 both times, then 5 once and 6 once.
     assert store.propose([0, 2, 3], 3) == [([4, 5], [2 / 3, 1 / 3], 2)]
     # (3,) alone: followed by 4, 4 and 8.
-    (tokens, shares, n), = store.propose([5, 3], 1, beams=1)
+    ((tokens, shares, n),) = store.propose([5, 3], 1, beams=1)
     assert (tokens, n) == ([4], 1) and shares == [2 / 4]
     assert [p[0] for p in store.propose([5, 3], 1, beams=2)] == [[4], [8]]
     assert store.propose([42], 4) == []  # never seen

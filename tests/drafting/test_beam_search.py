@@ -74,7 +74,9 @@ def test_later_rows_draft_the_tokens_after_the_first_from_the_first_rows_only():
     logits = drafter.draft_logits(mx.broadcast_to(hidden[:, None], state.shape), state)[..., :5]
     expected = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     index = mx.array([[ids.index(t) for t in row] for row in np.array(beams[:, :, 2]).tolist()])
-    assert np.allclose(np.array(logprobs[:, :, 1]), np.array(mx.take_along_axis(expected, index[..., None], -1)[..., 0]), atol=1e-5)
+    assert np.allclose(
+        np.array(logprobs[:, :, 1]), np.array(mx.take_along_axis(expected, index[..., None], -1)[..., 0]), atol=1e-5
+    )
     same, _ = beam_search(drafter, embed, hidden, first, 4, 4, later_rows=40)
     assert same.tolist() == full.tolist()
 

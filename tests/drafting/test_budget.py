@@ -23,7 +23,9 @@ def test_a_steep_curve_keeps_only_the_nodes_worth_their_cost():
     flatter = CostCurve([1, 2, 4, 8], [1.0, 1.2, 1.4, 6.0])
     assert best_node_count([[0.9, 0.8, 0.1]], flatter, 10)[0] == 2  # 2.7 / 1.3 > 2.8 / 1.4 > 1.9 / 1.2
     assert best_node_count([[0.2, 0.1]], curve, 10)[0] == 0  # plain decoding
-    assert best_node_count([[0.9, 0.5, 0.1]], curve, 10, extra_seconds=100.0)[0] == 3  # a costly step wants more per step
+    assert (
+        best_node_count([[0.9, 0.5, 0.1]], curve, 10, extra_seconds=100.0)[0] == 3
+    )  # a costly step wants more per step
 
 
 def test_the_budget_is_shared_by_the_rows_of_a_batch():
@@ -65,8 +67,13 @@ def test_earlier_statistics_become_a_prior_of_bounded_weight():
 
 def test_a_step_observes_the_children_of_accepted_nodes_only():
     stats = AcceptanceStats()
-    tree = candidate_tree(1, [Draft([2, 3], [("rnn", 1), ("rnn", 2)], [0.5, 0.5], [0.5, 0.5]),
-                              Draft([4, 5], [("lookup1", 1), ("lookup1", 2)], [0.5, 0.5], [1.0, 1.0])])
+    tree = candidate_tree(
+        1,
+        [
+            Draft([2, 3], [("rnn", 1), ("rnn", 2)], [0.5, 0.5], [0.5, 0.5]),
+            Draft([4, 5], [("lookup1", 1), ("lookup1", 2)], [0.5, 0.5], [1.0, 1.0]),
+        ],
+    )
     # nodes: 0 root, 1 "2", 2 "3", 3 "4", 4 "5"; accepted path root -> "2".
     stats.observe_step([tree], [[0, 1, 2]], [1])
     assert stats.accepted[("rnn", 1)] == 1 and stats.predicted[("rnn", 1)] == 0.5
@@ -81,7 +88,9 @@ def test_a_node_several_sources_proposed_is_observed_under_the_best_of_their_key
     lone nodes are judged by. The node counts for the key whose estimate
     made it, the highest."""
     stats = AcceptanceStats()
-    agreeing = candidate_tree(1, [Draft([2], [("datastore1", 1)], [0.3], [0.3]), Draft([2], [("lookup1", 1)], [0.5], [1.0])])
+    agreeing = candidate_tree(
+        1, [Draft([2], [("datastore1", 1)], [0.3], [0.3]), Draft([2], [("lookup1", 1)], [0.5], [1.0])]
+    )
     for _ in range(10):
         stats.observe_step([agreeing], [[0, 1]], [1])
     assert stats.predicted[("datastore1", 1)] == 0  # lookup's estimate (0.5) beat the datastore's (0.3 * 0.8)

@@ -43,8 +43,22 @@ def test_the_curve_is_measured_once_cached_and_rebuilt_when_corrupt(tmp_path, mo
     assert len(rebuilt.seconds) == len(SIZES) and len(json.loads(cache_path().read_text())) == 2
 
     key = next(k for k in json.loads(cache_path().read_text()) if "drafter" not in k)
-    cache_path().write_text(json.dumps({key: {"sizes": [1, 2], "seconds": "fast", "step_seconds": 0, "plain_seconds": 1, "context": 128,
-                                              "long_context": 512, "long_sizes": [1], "long_seconds": [1]}}))
+    cache_path().write_text(
+        json.dumps(
+            {
+                key: {
+                    "sizes": [1, 2],
+                    "seconds": "fast",
+                    "step_seconds": 0,
+                    "plain_seconds": 1,
+                    "context": 128,
+                    "long_context": 512,
+                    "long_sizes": [1],
+                    "long_seconds": [1],
+                }
+            }
+        )
+    )
     cost_curve(redrafter, 2, (4, 5))
     assert "bad entry" in capsys.readouterr().err
 
@@ -59,8 +73,16 @@ def test_the_curve_is_measured_once_cached_and_rebuilt_when_corrupt(tmp_path, mo
 
 
 def test_a_curve_moves_with_the_context_along_its_two_measurements():
-    curve = CostCurve([1, 4, 8], [1.0, 1.2, 1.6], step_seconds=0.1, plain_seconds=0.9, context=128, long_context=512,
-                      long_sizes=[1, 8], long_seconds=[1.0, 2.0])
+    curve = CostCurve(
+        [1, 4, 8],
+        [1.0, 1.2, 1.6],
+        step_seconds=0.1,
+        plain_seconds=0.9,
+        context=128,
+        long_context=512,
+        long_sizes=[1, 8],
+        long_seconds=[1.0, 2.0],
+    )
     assert curve.at(100) is curve and curve.at(128) is curve  # never below the shorter context's
     half = curve.at(320)  # half-way: each size half-way to the longer context's (interpolated there)
     assert half.seconds == pytest.approx([1.0, 1.2 + 0.5 * (1 + 3 / 7 - 1.2), 1.8])
@@ -70,5 +92,7 @@ def test_a_curve_moves_with_the_context_along_its_two_measurements():
     assert curve.at(300) is curve.at(310)  # one curve per step of context
     no_slope = CostCurve([1, 4], [1.0, 2.0], long_sizes=[1, 4], long_seconds=[0.5, 2.5])
     moved = no_slope.at(no_slope.long_context)
-    assert moved.seconds[0] == 1.0 and moved.seconds[1] == pytest.approx(2.5)  # a faster long pass (noise) moves nothing
+    assert moved.seconds[0] == 1.0 and moved.seconds[1] == pytest.approx(
+        2.5
+    )  # a faster long pass (noise) moves nothing
     assert CostCurve([1, 4], [1.0, 2.0]).at(4096).seconds == [1.0, 2.0]  # no longer context measured: the curve holds

@@ -123,7 +123,9 @@ def test_datastore_drafts_join_the_tree_and_are_judged_as_their_own_source():
     (tree,) = speculator.trees([0], [7], None, None)
     assert tree.tokens == [7, 8, 9]
     # 7 was followed by 8 three times (3 / 4, counting one unseen), then by 9 twice (2 / 4)
-    assert tree.judged[1] == [(("datastore1", 1, "greedy"), 0.75)] and tree.judged[2] == [(("datastore1", 2, "greedy"), 0.5)]
+    assert tree.judged[1] == [(("datastore1", 1, "greedy"), 0.75)] and tree.judged[2] == [
+        (("datastore1", 2, "greedy"), 0.5)
+    ]
     off = Speculator(DraftSettings(max_nodes=8, lookup=False, datastore_beams=0), False, datastore=store)
     off.track(0, [3, 7])
     assert off.trees([0], [7], None, None)[0].tokens == [7]
@@ -140,14 +142,20 @@ def test_greedy_generation_with_a_datastore_is_plain_greedy_decoding():
         return [int(t) for t, _ in zip((t for t, _ in generate_step(mx.array(p), base.model, max_tokens=n)), range(n))]
 
     want = reference(prompt, 64)
-    runs = [ReDrafter(base, tiny_drafter(seed=0), datastore=Datastore.from_sequences(answers, base.vocab_size))
-            for answers in ([want], [reference(other, 80)])]
+    runs = [
+        ReDrafter(base, tiny_drafter(seed=0), datastore=Datastore.from_sequences(answers, base.vocab_size))
+        for answers in ([want], [reference(other, 80)])
+    ]
     for redrafter in runs:
         tokens = []
-        for step in generate_steps(redrafter, [prompt], max_tokens=64, draft=DraftSettings(beam_width=2, beam_length=4, lookup=False)):
+        for step in generate_steps(
+            redrafter, [prompt], max_tokens=64, draft=DraftSettings(beam_width=2, beam_length=4, lookup=False)
+        ):
             tokens += step[0].tokens
         assert tokens == want
-    assert sum(v for (source, *_), v in runs[0].acceptance.accepted.items() if source.startswith("datastore")) > 0  # its drafts were verified and accepted
+    assert (
+        sum(v for (source, *_), v in runs[0].acceptance.accepted.items() if source.startswith("datastore")) > 0
+    )  # its drafts were verified and accepted
 
 
 def test_seeded_sampling_with_a_datastore_equals_plain_sampling():
@@ -164,7 +172,9 @@ def test_seeded_sampling_with_a_datastore_equals_plain_sampling():
             plain[out.row] += out.tokens
     redrafter = ReDrafter(base, tiny_drafter(seed=1), datastore=Datastore.from_sequences(plain, base.vocab_size))
     got = [[] for _ in prompts]
-    for step in generate_steps(redrafter, prompts, max_tokens=40, draft=DraftSettings(beam_width=2, beam_length=4, lookup=False), choose=choose):
+    for step in generate_steps(
+        redrafter, prompts, max_tokens=40, draft=DraftSettings(beam_width=2, beam_length=4, lookup=False), choose=choose
+    ):
         for out in step:
             got[out.row] += out.tokens
     assert got == plain

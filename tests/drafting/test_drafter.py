@@ -34,8 +34,14 @@ def official_checkpoint(folder, exit_dim, layers, rnn, seed=0):
     folder.mkdir(parents=True, exist_ok=True)
     mx.save_safetensors(str(folder / "model.safetensors"), {k: mx.array(v) for k, v in w.items()})
     config = dict(
-        vocab_size=VOCAB, hidden_size=HIDDEN, exit_dim=exit_dim, num_draft_layers=layers, rnn=rnn,
-        num_lookback_tokens=1, architectures=["ReDrafter"], torch_dtype="float32",
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        exit_dim=exit_dim,
+        num_draft_layers=layers,
+        rnn=rnn,
+        num_lookback_tokens=1,
+        architectures=["ReDrafter"],
+        torch_dtype="float32",
     )
     (folder / "config.json").write_text(json.dumps(config))
     return w
@@ -73,7 +79,9 @@ def test_official_checkpoint_loads_and_computes_as_specified(tmp_path, exit_dim,
     for e in embeddings:
         state = drafter.update_state(mx.array(e, mx.float32)[None], state)
         got.append(np.array(drafter.draft_logits(mx.array(hidden, mx.float32)[None], state))[0])
-    np.testing.assert_allclose(np.array(got), reference_logits(w, layers, rnn, hidden, embeddings), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(
+        np.array(got), reference_logits(w, layers, rnn, hidden, embeddings), rtol=1e-4, atol=1e-4
+    )
 
 
 def test_save_and_load_round_trip_with_reduced_vocabulary(tmp_path):
@@ -125,7 +133,9 @@ def test_a_search_reads_h_once_and_drafts_as_the_whole_projection_does(exit_dim)
     drafter = tiny_drafter(seed=3, exit_dim=exit_dim, layers=1, draft_vocab=32)
     h, s = mx.random.normal((2, 3, 64)), mx.random.normal((2, 3, 64))
     for rows in (None, 8):
-        assert mx.allclose(drafter.search_log_probs(drafter.read_hidden(h), s, rows), drafter.log_probs(h, s, rows), atol=1e-5)
+        assert mx.allclose(
+            drafter.search_log_probs(drafter.read_hidden(h), s, rows), drafter.log_probs(h, s, rows), atol=1e-5
+        )
     if exit_dim != 128:
         drafter.input_proj.weight = 2 * drafter.input_proj.weight
         assert mx.allclose(drafter.search_log_probs(drafter.read_hidden(h), s), drafter.log_probs(h, s), atol=1e-5)

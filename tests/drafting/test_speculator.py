@@ -159,7 +159,13 @@ def test_a_run_starts_from_what_earlier_runs_accepted():
     beams = beams_for(3, [[9, 9]], 0.9)
     history = AcceptanceStats()
     # A fixed budget, so that every step verifies the beams (with a budget the run soon decodes plainly).
-    run_steps(Speculator(DraftSettings(beam_width=1, beam_length=3, lookup=False, max_nodes=2), True, history), 3, beams, None, accepted=0)
+    run_steps(
+        Speculator(DraftSettings(beam_width=1, beam_length=3, lookup=False, max_nodes=2), True, history),
+        3,
+        beams,
+        None,
+        accepted=0,
+    )
     assert history.predicted[("rnn", 1, "greedy")] > 0 and history.accepted[("rnn", 1, "greedy")] == 0
 
     def first_plan(history):
@@ -180,7 +186,11 @@ def test_without_a_drafter_only_lookup_drafts():
 @pytest.mark.parametrize("lookup_length", [1, 2, 5])
 def test_lookup_drafts_its_own_length_whatever_the_beams(lookup_length):
     # After the earlier "1 2", the context went on 3 4 5 6 1 2.
-    speculator = tracking(DraftSettings(beam_width=1, beam_length=3, max_nodes=10, lookup_length=lookup_length), True, [[1, 2, 3, 4, 5, 6, 1, 2]])
+    speculator = tracking(
+        DraftSettings(beam_width=1, beam_length=3, max_nodes=10, lookup_length=lookup_length),
+        True,
+        [[1, 2, 3, 4, 5, 6, 1, 2]],
+    )
     (tree,) = speculator.trees([0], [2], beams_for(2, [[9, 9]], 0.5))
     assert tree.tokens == [2, 9, 9] + [3, 4, 5, 6, 1][:lookup_length]
     assert max(tree.depths) == max(2, lookup_length)
@@ -206,7 +216,9 @@ def test_the_search_drafts_as_deep_as_the_budget_keeps_its_nodes():
         lengths.append(plan.search_length)
         assert max(plan.trees[0].depths) <= 2  # 4 nodes: both beams' first two tokens
     assert lengths[:3] == [5] * 3 and set(lengths[3:]) == {3, 5}  # shortened once four full searches are seen
-    assert [i for i, n in enumerate(lengths) if n == 5][3:] == [i for i in range(3, len(lengths)) if i % RESHAPE_STEPS == 0]
+    assert [i for i, n in enumerate(lengths) if n == 5][3:] == [
+        i for i in range(3, len(lengths)) if i % RESHAPE_STEPS == 0
+    ]
 
 
 def test_a_prompt_joining_starts_the_backoff_over():
@@ -216,7 +228,9 @@ def test_a_prompt_joining_starts_the_backoff_over():
         run_steps(speculator, 6, None, cost, accepted=0, steps=10)
     assert speculator.backoff.interval > 4 * PLAIN_STEPS and speculator.backoff.plain_left
     speculator.track(1, [1, 2, 3])
-    assert speculator.backoff.interval == PLAIN_STEPS and speculator.backoff.plain_left == 0 and speculator.mode != "plain"
+    assert (
+        speculator.backoff.interval == PLAIN_STEPS and speculator.backoff.plain_left == 0 and speculator.mode != "plain"
+    )
 
 
 def test_a_plan_is_made_once_and_trees_change_nothing():

@@ -3,14 +3,25 @@ the device arrays verification reads."""
 
 import numpy as np
 
-from redrafter_mlx.drafting.tree import NO_TOKEN, Draft, beam_drafts, candidate_tree, most_likely_nodes, most_likely_path, pack, prune
+from redrafter_mlx.drafting.tree import (
+    NO_TOKEN,
+    Draft,
+    beam_drafts,
+    candidate_tree,
+    most_likely_nodes,
+    most_likely_path,
+    pack,
+    prune,
+)
 
 # Mars=1 is=2 a=3 red=4 reddish=5 when=6 dark=7
 MARS = [[2, 3, 4], [2, 5, 6], [2, 7, 4]]
 
 
 def drafts(token_lists, estimate=0.5):
-    return [Draft(t, [("rnn", d + 1) for d in range(len(t))], [estimate] * len(t), [estimate] * len(t)) for t in token_lists]
+    return [
+        Draft(t, [("rnn", d + 1) for d in range(len(t))], [estimate] * len(t), [estimate] * len(t)) for t in token_lists
+    ]
 
 
 def test_shared_prefixes_pack_into_eight_nodes():
@@ -92,9 +103,11 @@ def test_the_most_likely_path_comes_first_so_that_its_commit_moves_nothing():
     """Pruned nodes are in depth-first order, the most likely child first:
     the most likely path is nodes 0, 1, 2, ...; every node still comes after
     its parent."""
-    drafts = [Draft([5, 6, 7], [("rnn", d) for d in (1, 2, 3)], [0.5, 0.5, 0.5], [0.5] * 3),
-              Draft([8, 9], [("lookup", d) for d in (1, 2)], [0.9, 0.9], [0.9] * 2),
-              Draft([8, 4], [("rnn", d) for d in (1, 2)], [0.9, 0.2], [0.9, 0.2])]
+    drafts = [
+        Draft([5, 6, 7], [("rnn", d) for d in (1, 2, 3)], [0.5, 0.5, 0.5], [0.5] * 3),
+        Draft([8, 9], [("lookup", d) for d in (1, 2)], [0.9, 0.9], [0.9] * 2),
+        Draft([8, 4], [("rnn", d) for d in (1, 2)], [0.9, 0.2], [0.9, 0.2]),
+    ]
     tree = prune(candidate_tree(1, drafts), 5)
     assert tree.tokens[:3] == [1, 8, 9]
     assert all(tree.parents[i] < i for i in range(1, tree.num_nodes))

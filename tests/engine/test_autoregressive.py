@@ -30,7 +30,9 @@ def test_batched_greedy_equals_mlx_lm_per_prompt(kind, max_batch, monkeypatch):
     references = [mlx_lm_greedy(base.model, p, 30) for p in prompts]
     eos = [references[0][5], references[3][2]]
     outputs, hidden = [[] for _ in prompts], [[] for _ in prompts]
-    for step in autoregressive_steps(base, prompts, max_tokens=30, max_batch=max_batch, eos_token_ids=eos, with_hidden=True):
+    for step in autoregressive_steps(
+        base, prompts, max_tokens=30, max_batch=max_batch, eos_token_ids=eos, with_hidden=True
+    ):
         assert max_batch is None or len(step) <= max_batch
         for out in step:
             outputs[out.row] += out.tokens

@@ -73,7 +73,11 @@ def test_an_accepted_branch_moves_behind_the_root_at_batch_1():
     cache.commit_path(np.array([[0, 3, 5, 5]]), np.array([2]))
     layout.commit(np.array([3]))
     assert labels(cache.keys, 0, 0, 8) == [0, 1, 2, 3, 4, 100, 103, 105]
-    assert np.array(cache.values[0, 1, 5:8, 2]).tolist() == [100.5, 103.5, 105.5]  # values move with keys, every head and dim
+    assert np.array(cache.values[0, 1, 5:8, 2]).tolist() == [
+        100.5,
+        103.5,
+        105.5,
+    ]  # values move with keys, every head and dim
 
 
 def test_rows_of_different_lengths_commit_to_their_own_ends():
@@ -145,7 +149,16 @@ ABSENT = {"bits"}
 
 
 def test_the_contract_declares_the_model_and_engine_sides_with_docstrings():
-    assert DECLARED == {"offset", "make_mask", "update_and_fetch", "commit_path", "filter", "extend", "rows_kv", "state_arrays"}
+    assert DECLARED == {
+        "offset",
+        "make_mask",
+        "update_and_fetch",
+        "commit_path",
+        "filter",
+        "extend",
+        "rows_kv",
+        "state_arrays",
+    }
     for name in DECLARED:
         member = StepCache.__dict__[name]
         assert (member.fget if isinstance(member, property) else member).__doc__, name

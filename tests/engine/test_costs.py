@@ -18,7 +18,9 @@ def test_a_ratio_not_seen_is_its_contexts_nearest_kinds_then_a_shorter_contexts(
     assert learned.ratio(100, node_kind(4)) == 1.0  # nothing seen
     learned.add(3000, node_kind(8), 3.0)
     learned.add(3000, PLAIN, 1.5)
-    assert learned.ratio(3000, node_kind(8)) == pytest.approx(3.0) and learned.ratio(2500, PLAIN) == pytest.approx(1.5)  # one bucket
+    assert learned.ratio(3000, node_kind(8)) == pytest.approx(3.0) and learned.ratio(2500, PLAIN) == pytest.approx(
+        1.5
+    )  # one bucket
     assert learned.ratio(3000, node_kind(16)) == pytest.approx(3.0)  # the nearest kind seen
     assert learned.ratio(3000, node_kind(1)) == pytest.approx(1.5)
     assert learned.ratio(20000, node_kind(8)) == pytest.approx(3.0)  # a longer context: the nearest shorter one's
@@ -103,15 +105,27 @@ def test_where_trees_are_a_guess_a_small_tree_is_tried_and_what_it_shows_is_used
     model = tiny_model()
     redrafter = ReDrafter(BaseModel(model), None, identity="a-guess")
     prompt = ([5, 6, 7, 8] * 200)[:700]
-    dear = CostCurve([1, 2, 4, 8, 16], [1.0, 1.01, 1.02, 1.03, 1.05], plain_seconds=1.0, long_context=512, long_sizes=[1, 2, 16],
-                     long_seconds=[1.0, 3.0, 6.0])
+    dear = CostCurve(
+        [1, 2, 4, 8, 16],
+        [1.0, 1.01, 1.02, 1.03, 1.05],
+        plain_seconds=1.0,
+        long_context=512,
+        long_sizes=[1, 2, 16],
+        long_seconds=[1.0, 3.0, 6.0],
+    )
     monkeypatch.setattr(costs.calibrate, "cost_curve", lambda *args, **kwargs: dear)
     monkeypatch.setattr(costs.calibrate, "stored_curve", lambda *args, **kwargs: None)
     decoder = Decoder(redrafter, DraftSettings())
     observe = decoder.costs.observe
-    monkeypatch.setattr(decoder.costs, "observe", lambda batch, context, nodes, seconds, searched=False: observe(batch, context, nodes, 1.0 + 0.01 * nodes))
+    monkeypatch.setattr(
+        decoder.costs,
+        "observe",
+        lambda batch, context, nodes, seconds, searched=False: observe(batch, context, nodes, 1.0 + 0.01 * nodes),
+    )
     observe_plain = decoder.costs.observe_plain
-    monkeypatch.setattr(decoder.costs, "observe_plain", lambda batch, context, seconds: observe_plain(batch, context, 1.0))
+    monkeypatch.setattr(
+        decoder.costs, "observe_plain", lambda batch, context, seconds: observe_plain(batch, context, 1.0)
+    )
     assert decoder.costs.curve(1, 700).guessed
     outputs, tokens, nodes = decoder.join([prompt], 96), [], []
     while outputs:

@@ -50,7 +50,9 @@ def test_greedy_parity_with_later_tokens_from_a_short_vocabulary(base_and_refere
     searched = []
     search = Decoder._search
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(Decoder, "_search", lambda self, h, t, length=0: searched.append(search(self, h, t, length)) or searched[-1])
+        patch.setattr(
+            Decoder, "_search", lambda self, h, t, length=0: searched.append(search(self, h, t, length)) or searched[-1]
+        )
         (tokens,), _ = run(redrafter, [prompt], max_tokens=NUM_TOKENS, beam_width=3, beam_length=4, later_vocab=6)
     assert tokens == reference[:NUM_TOKENS]
     short = set(np.array(drafter.draft_token_ids[:6]).tolist())
@@ -63,7 +65,9 @@ def test_greedy_parity_partly_right_drafter(base_and_reference, shape):
     paths of every length get committed, and the output must not change."""
     base, prompt, reference = base_and_reference
     drafter = OracleDrafter(base, [prompt + reference], corrupt=shape[1])
-    (tokens,), accepted = run(ReDrafter(base, drafter), [prompt], max_tokens=NUM_TOKENS, beam_width=shape[0], beam_length=shape[1])
+    (tokens,), accepted = run(
+        ReDrafter(base, drafter), [prompt], max_tokens=NUM_TOKENS, beam_width=shape[0], beam_length=shape[1]
+    )
     assert tokens == reference[:NUM_TOKENS]
     assert len(set(accepted)) > 1 or shape[1] == 2
 
@@ -74,7 +78,9 @@ def test_oracle_drafter_accepts_every_beam(base_and_reference, shape):
     width, length = shape
     drafter = OracleDrafter(base, [prompt + reference])
     budget = dict(max_nodes=width * (length - 1), lookup=False)  # verify every drafted node
-    (tokens,), accepted = run(ReDrafter(base, drafter), [prompt], max_tokens=NUM_TOKENS, beam_width=width, beam_length=length, **budget)
+    (tokens,), accepted = run(
+        ReDrafter(base, drafter), [prompt], max_tokens=NUM_TOKENS, beam_width=width, beam_length=length, **budget
+    )
     assert tokens == reference[:NUM_TOKENS]
     # Every step but possibly the last (cut by max_tokens) accepts it all.
     assert all(a == length - 1 for a in accepted)
@@ -220,7 +226,11 @@ def test_a_step_synchronises_once(monkeypatch):
     assert len(calls) == 5
 
 
-@pytest.mark.parametrize("settings", [dict(temp=0.0), dict(temp=0.8, top_p=0.9), dict(temp=0.8, repetition_penalty=1.3)], ids=["greedy", "sampled", "penalty"])
+@pytest.mark.parametrize(
+    "settings",
+    [dict(temp=0.0), dict(temp=0.8, top_p=0.9), dict(temp=0.8, repetition_penalty=1.3)],
+    ids=["greedy", "sampled", "penalty"],
+)
 def test_plain_steps_run_ahead_and_equal_plain_decoding_with_rows_joining_and_leaving(settings):
     """With nothing drafted (max_nodes 0), each step's pass is issued
     before the last token is read (except when a repetition penalty must
@@ -235,7 +245,12 @@ def test_plain_steps_run_ahead_and_equal_plain_decoding_with_rows_joining_and_le
     choose = make_chooser(SamplingSettings(**settings, seed=5))
     plain = [[] for _ in prompts]
     for i, (prompt, limit) in enumerate(zip(prompts, limits)):
-        for step in autoregressive_steps(base, [prompt], max_tokens=limit, choose=make_chooser(SamplingSettings(**settings, row_seeds=[row_seed(5, i)]))):
+        for step in autoregressive_steps(
+            base,
+            [prompt],
+            max_tokens=limit,
+            choose=make_chooser(SamplingSettings(**settings, row_seeds=[row_seed(5, i)])),
+        ):
             plain[i] += step[0].tokens
     decoder = Decoder(ReDrafter(base, None), DraftSettings(max_nodes=0), choose)
     got, ahead = {}, []
@@ -265,7 +280,9 @@ def test_each_step_is_sized_by_the_curve_at_its_context():
     model = tiny_model()
     base = BaseModel(model)
     redrafter = ReDrafter(base, None)
-    curve = CostCurve([1, 2, 4, 8, 16], [1.0, 1.01, 1.02, 1.03, 1.05], long_context=512, long_sizes=[1, 16], long_seconds=[1.0, 50.0])
+    curve = CostCurve(
+        [1, 2, 4, 8, 16], [1.0, 1.01, 1.02, 1.03, 1.05], long_context=512, long_sizes=[1, 16], long_seconds=[1.0, 50.0]
+    )
     short = [5, 6, 7, 8] * 8  # lookup drafts the repeats
     long = (short * 20)[:600]
     for prompt, drafts in ((short, True), (long, False)):

@@ -13,7 +13,18 @@ import time
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import ROOT, OracleDrafter, mlx_lm_greedy, run, run_cli, save_word_tokenizer, start_server, stop_server, tiny_drafter, tiny_model
+from conftest import (
+    ROOT,
+    OracleDrafter,
+    mlx_lm_greedy,
+    run,
+    run_cli,
+    save_word_tokenizer,
+    start_server,
+    stop_server,
+    tiny_drafter,
+    tiny_model,
+)
 
 from redrafter_mlx.drafting.drafter import save_drafter
 from redrafter_mlx.engine.base_model import BaseModel
@@ -72,8 +83,16 @@ def start_ranks(tmp_path, per_rank_args: list, programs=None) -> list:
     for rank, args in enumerate(per_rank_args):
         env = dict(os.environ, PYTHONPATH=ROOT, MLX_RANK=str(rank), MLX_HOSTFILE=str(hostfile))
         program = ["-c", programs[rank]] if rank in (programs or {}) else ["-m", "redrafter_mlx.cli"]
-        processes.append(subprocess.Popen([sys.executable, *program, *map(str, args)], cwd=ROOT, env=env,
-                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        processes.append(
+            subprocess.Popen(
+                [sys.executable, *program, *map(str, args)],
+                cwd=ROOT,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
     return processes
 
 
@@ -124,21 +143,38 @@ def token_lists(stdout: str) -> list:
     return [json.loads(line)["tokens"] for line in stdout.splitlines() if line.strip()]
 
 
-@pytest.mark.parametrize("kind, split, nodes", [
-    ("llama", "pipeline", 8), ("qwen2", "pipeline", 8), ("llama", "tensor", 8), ("llama", "pipeline", None),
-    ("qwen3_next", "pipeline", 8),  # a hybrid through mlx-lm's pipeline()
-    ("lfm2", "pipeline", 8),  # a hybrid through this package's stages
-    ("nemotron_h", "pipeline", 8),  # a hybrid whose MLP-only layers keep no cache
-    ("qwen3_5", "pipeline", 8),  # another hybrid through mlx-lm's pipeline()
-    ("mixtral", "pipeline", 8),  # experts through this package's stages
-    ("qwen3_moe", "pipeline", 8),  # experts through mlx-lm's pipeline()
-])
+@pytest.mark.parametrize(
+    "kind, split, nodes",
+    [
+        ("llama", "pipeline", 8),
+        ("qwen2", "pipeline", 8),
+        ("llama", "tensor", 8),
+        ("llama", "pipeline", None),
+        ("qwen3_next", "pipeline", 8),  # a hybrid through mlx-lm's pipeline()
+        ("lfm2", "pipeline", 8),  # a hybrid through this package's stages
+        ("nemotron_h", "pipeline", 8),  # a hybrid whose MLP-only layers keep no cache
+        ("qwen3_5", "pipeline", 8),  # another hybrid through mlx-lm's pipeline()
+        ("mixtral", "pipeline", 8),  # experts through this package's stages
+        ("qwen3_moe", "pipeline", 8),  # experts through mlx-lm's pipeline()
+    ],
+)
 def test_a_split_model_decodes_as_one_process_does(folders, tmp_path, kind, split, nodes):
     """Greedy output, a batch of three prompts of different lengths, drafted
     by the RNN and by lookup in 8-node trees (given, or a split run's
     default), equals one process's (whose trees the cost curve sizes)."""
-    args = ["generate", "--model", folders[kind], "--drafter", folders["drafter"], "--prompts", folders["prompts"], "--batch-size", 3,
-            "--max-tokens", 40] + (["--max-nodes", nodes] if nodes else [])
+    args = [
+        "generate",
+        "--model",
+        folders[kind],
+        "--drafter",
+        folders["drafter"],
+        "--prompts",
+        folders["prompts"],
+        "--batch-size",
+        3,
+        "--max-tokens",
+        40,
+    ] + (["--max-nodes", nodes] if nodes else [])
     alone = run_cli(*args)
     assert alone.returncode == 0, alone.stderr
     expected = token_lists(alone.stdout)
@@ -154,8 +190,21 @@ def test_a_rank_that_rounds_differently_takes_rank_0s_steps(folders, tmp_path):
     """A rank whose chip chose and drafted other tokens would commit another
     path to its caches: it takes rank 0's step instead (and says so once),
     and the output is still one process's."""
-    args = ["generate", "--model", folders["llama"], "--drafter", folders["drafter"], "--prompts", folders["prompts"], "--batch-size", 3,
-            "--max-tokens", 32, "--max-nodes", 8]
+    args = [
+        "generate",
+        "--model",
+        folders["llama"],
+        "--drafter",
+        folders["drafter"],
+        "--prompts",
+        folders["prompts"],
+        "--batch-size",
+        3,
+        "--max-tokens",
+        32,
+        "--max-nodes",
+        8,
+    ]
     alone = run_cli(*args)
     assert alone.returncode == 0, alone.stderr
     (code0, out0, err0), (code1, _, err1) = launch(tmp_path, [args] * 2, programs={1: OTHER_CHIP})
@@ -168,8 +217,25 @@ def test_a_rank_that_rounds_differently_takes_rank_0s_steps(folders, tmp_path):
 # counting the cost curves measured; rank 0 finds every curve drifting.
 def test_seeded_sampling_in_a_split_gives_one_process_tokens(folders, tmp_path):
     """Sampling stays exact: with a seed, the tokens are one process's."""
-    args = ["generate", "--model", folders["llama"], "--drafter", folders["drafter"], "--prompts", folders["prompts"], "--batch-size", 3,
-            "--max-tokens", 32, "--max-nodes", 8, "--temp", 0.8, "--seed", 5]
+    args = [
+        "generate",
+        "--model",
+        folders["llama"],
+        "--drafter",
+        folders["drafter"],
+        "--prompts",
+        folders["prompts"],
+        "--batch-size",
+        3,
+        "--max-tokens",
+        32,
+        "--max-nodes",
+        8,
+        "--temp",
+        0.8,
+        "--seed",
+        5,
+    ]
     alone = run_cli(*args)
     assert alone.returncode == 0, alone.stderr
     (code0, out0, err0), (code1, _, err1) = launch(tmp_path, [args] * 2)
@@ -180,8 +246,21 @@ def test_seeded_sampling_in_a_split_gives_one_process_tokens(folders, tmp_path):
 def test_three_ranks_split_a_sliding_window_model_as_one_process_decodes(folders, tmp_path):
     """gemma3 (three layers, sliding-window masks read from caches by
     index), one layer per rank."""
-    args = ["generate", "--model", folders["gemma3"], "--drafter", folders["drafter"], "--prompts", folders["prompts"], "--batch-size", 3,
-            "--max-tokens", 32, "--max-nodes", 8]
+    args = [
+        "generate",
+        "--model",
+        folders["gemma3"],
+        "--drafter",
+        folders["drafter"],
+        "--prompts",
+        folders["prompts"],
+        "--batch-size",
+        3,
+        "--max-tokens",
+        32,
+        "--max-nodes",
+        8,
+    ]
     alone = run_cli(*args)
     assert alone.returncode == 0, alone.stderr
     results = launch(tmp_path, [args] * 3)
@@ -190,7 +269,16 @@ def test_three_ranks_split_a_sliding_window_model_as_one_process_decodes(folders
 
 
 def test_the_default_model_in_two_stages_equals_one_process(tmp_path):
-    args = ["generate", "--prompt", "Name three planets and one fact about each.", "--max-tokens", 32, "--max-nodes", 8, "--json"]
+    args = [
+        "generate",
+        "--prompt",
+        "Name three planets and one fact about each.",
+        "--max-tokens",
+        32,
+        "--max-nodes",
+        8,
+        "--json",
+    ]
     alone = run_cli(*args)
     assert alone.returncode == 0, alone.stderr
     expected = json.loads(alone.stdout)
@@ -203,8 +291,20 @@ def test_the_default_model_in_two_stages_equals_one_process(tmp_path):
 
 
 def test_a_killed_rank_ends_the_others_with_an_error(folders, tmp_path):
-    args = ["generate", "--model", folders["llama"], "--drafter", "none", "--prompt", "w5 w6", "--ignore-chat-template",
-            "--max-tokens", 100000, "--max-nodes", 4]
+    args = [
+        "generate",
+        "--model",
+        folders["llama"],
+        "--drafter",
+        "none",
+        "--prompt",
+        "w5 w6",
+        "--ignore-chat-template",
+        "--max-tokens",
+        100000,
+        "--max-nodes",
+        4,
+    ]
     tic = time.monotonic()
     (code0, _, err0), (code1, _, _) = launch(tmp_path, [args] * 2, kill_rank_after=(1, 8))
     assert code1 == -signal.SIGKILL
@@ -216,7 +316,18 @@ def test_a_killed_rank_ends_the_others_with_an_error(folders, tmp_path):
 
 
 def test_ranks_with_different_models_are_refused(folders, tmp_path):
-    args = ["generate", "--drafter", "none", "--prompt", "w5", "--ignore-chat-template", "--max-tokens", 4, "--max-nodes", 4]
+    args = [
+        "generate",
+        "--drafter",
+        "none",
+        "--prompt",
+        "w5",
+        "--ignore-chat-template",
+        "--max-tokens",
+        4,
+        "--max-nodes",
+        4,
+    ]
     results = launch(tmp_path, [args + ["--model", folders["llama"]], args + ["--model", folders["qwen2"]]])
     for code, _, err in results:
         assert code == 1
@@ -225,8 +336,23 @@ def test_ranks_with_different_models_are_refused(folders, tmp_path):
 
 def test_bench_compares_plain_pipelined_decoding_with_redrafter_in_the_same_split(folders, tmp_path):
     out = tmp_path / "bench.json"
-    args = ["bench", "--model", folders["llama"], "--drafter", folders["drafter"], "--prompts", folders["prompts"], "--num-prompts", 2,
-            "--max-tokens", 16, "--configs", "auto,lookup", "--json", out]
+    args = [
+        "bench",
+        "--model",
+        folders["llama"],
+        "--drafter",
+        folders["drafter"],
+        "--prompts",
+        folders["prompts"],
+        "--num-prompts",
+        2,
+        "--max-tokens",
+        16,
+        "--configs",
+        "auto,lookup",
+        "--json",
+        out,
+    ]
     (code0, _, err0), (code1, out1, err1) = launch(tmp_path, [args] * 2)
     assert (code0, code1) == (0, 0), err0 + err1
     report = json.loads(out.read_text())
@@ -243,8 +369,10 @@ def test_serve_answers_from_rank_0_as_one_process_does_and_stops_every_rank(fold
     from concurrent.futures import ThreadPoolExecutor
 
     options = ["--model", folders["llama"], "--drafter", folders["drafter"], "--max-batch", 2, "--max-nodes", 8]
-    bodies = [{"model": "m", "prompt": "w5 w6 w7 w5 w6 w7 w5", "max_tokens": 24, "temperature": 0},
-              {"model": "m", "prompt": "w9 w10 w11", "max_tokens": 20, "temperature": 0}]
+    bodies = [
+        {"model": "m", "prompt": "w5 w6 w7 w5 w6 w7 w5", "max_tokens": 24, "temperature": 0},
+        {"model": "m", "prompt": "w9 w10 w11", "max_tokens": 20, "temperature": 0},
+    ]
 
     def answers(url):
         with ThreadPoolExecutor(2) as pool:
@@ -267,7 +395,9 @@ def test_serve_answers_from_rank_0_as_one_process_does_and_stops_every_rank(fold
                     break
             except httpx.TransportError:
                 pass
-            assert all(p.poll() is None for p in ranks) and time.monotonic() < deadline, "the split server did not start"
+            assert all(p.poll() is None for p in ranks) and time.monotonic() < deadline, (
+                "the split server did not start"
+            )
             time.sleep(0.2)
         assert answers(url) == expected
         assert answers(url) == expected  # the same rows again, after the first ones left the batch
@@ -346,7 +476,9 @@ def test_a_skipped_layers_cache_answers_for_the_layout_and_keeps_nothing():
     layout.begin_chunk()
     assert skipped.offset.tolist() == kept.offset.tolist() == [-2, 0]
     for window in (None, 2):
-        assert np.array_equal(np.array(skipped.make_mask(4, window_size=window)), np.array(kept.make_mask(4, window_size=window)))
+        assert np.array_equal(
+            np.array(skipped.make_mask(4, window_size=window)), np.array(kept.make_mask(4, window_size=window))
+        )
     kept.update_and_fetch(mx.zeros((2, 1, 4, 3)), mx.zeros((2, 1, 4, 3)))
     layout.end_chunk(4)
     depths = mx.array([[0, 1, 1], [0, 1, 2]], mx.int32)

@@ -9,7 +9,17 @@ import json
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import EXPERTS, HYBRIDS, OracleDrafter, mlx_lm_greedy, run, run_cli, save_word_tokenizer, tiny_drafter, tiny_model
+from conftest import (
+    EXPERTS,
+    HYBRIDS,
+    OracleDrafter,
+    mlx_lm_greedy,
+    run,
+    run_cli,
+    save_word_tokenizer,
+    tiny_drafter,
+    tiny_model,
+)
 from mlx_lm.models import llama
 from mlx_lm.models.cache import ArraysCache, CacheList, KVCache
 
@@ -42,8 +52,14 @@ def test_greedy_parity_with_a_partly_right_drafter_and_lookup(hybrid, nodes):
     """Drafts right to a varying depth: every length of accepted prefix
     is committed, wholly accepted chains included."""
     base, references = hybrid
-    (tokens,), accepted = run(ReDrafter(base, oracle(base, references)), PROMPTS[:1], max_tokens=NUM_TOKENS,
-                              max_nodes=nodes, beam_width=4, beam_length=5)
+    (tokens,), accepted = run(
+        ReDrafter(base, oracle(base, references)),
+        PROMPTS[:1],
+        max_tokens=NUM_TOKENS,
+        max_nodes=nodes,
+        beam_width=4,
+        beam_length=5,
+    )
     assert tokens == references[0]
     assert len(set(accepted)) >= 3 and max(accepted) >= 3
 
@@ -57,8 +73,14 @@ def test_plain_decoding_through_the_engine(hybrid):
 @pytest.mark.parametrize("shape", [(1, 2), (4, 4), (8, 5)], ids=lambda s: f"{s[0]}x{s[1]}")
 def test_greedy_parity_with_a_random_drafter_and_wide_trees(hybrid, shape):
     base, references = hybrid
-    (tokens,), _ = run(ReDrafter(base, tiny_drafter(seed=3)), PROMPTS[:1], max_tokens=NUM_TOKENS,
-                       max_nodes=24, beam_width=shape[0], beam_length=shape[1])
+    (tokens,), _ = run(
+        ReDrafter(base, tiny_drafter(seed=3)),
+        PROMPTS[:1],
+        max_tokens=NUM_TOKENS,
+        max_nodes=24,
+        beam_width=shape[0],
+        beam_length=shape[1],
+    )
     assert tokens == references[0]
 
 
@@ -103,16 +125,20 @@ def test_the_cost_curve_of_a_hybrid_is_measured_with_its_commit(hybrid, monkeypa
     base, _ = hybrid
     commits = []
     original = RecurrentCache.commit_path
-    monkeypatch.setattr(RecurrentCache, "commit_path", lambda self, *args: commits.append(args) or original(self, *args))
+    monkeypatch.setattr(
+        RecurrentCache, "commit_path", lambda self, *args: commits.append(args) or original(self, *args)
+    )
     curve = calibrate.measure(ReDrafter(base, None), 2, repeats=1, sizes=(1, 4))
     assert curve.sizes == [1, 4] and all(s > 0 for s in curve.seconds)
     assert bool(commits) == base.recurrent
 
 
 def test_most_likely_path():
-    drafts = [tree_module.Draft([1, 2, 3], [("a", 1)] * 3, [0.9, 0.5, 0.9], [1] * 3),
-              tree_module.Draft([1, 4], [("a", 1)] * 2, [0.9, 0.8], [1] * 2),
-              tree_module.Draft([5], [("a", 1)], [0.3], [1])]
+    drafts = [
+        tree_module.Draft([1, 2, 3], [("a", 1)] * 3, [0.9, 0.5, 0.9], [1] * 3),
+        tree_module.Draft([1, 4], [("a", 1)] * 2, [0.9, 0.8], [1] * 2),
+        tree_module.Draft([5], [("a", 1)], [0.3], [1]),
+    ]
     path = tree_module.most_likely_path(tree_module.candidate_tree(0, drafts))
     assert path.tokens == [0, 1, 4] and path.parents == [-1, 0, 1] and path.depths == [0, 1, 2]
     assert np.allclose(path.probs, [1.0, 0.9, 0.72])
@@ -151,8 +177,20 @@ def test_generate_runs_a_hybrid_from_an_mlx_lm_folder(kind, tmp_path):
             break
         expected.append(token)
     for options in (["--max-nodes", 0], ["--max-nodes", 8]):
-        result = run_cli("generate", "--model", tmp_path, "--drafter", "none", "--prompt", prompt, "--ignore-chat-template",
-                         "--max-tokens", 24, "--json", *options)
+        result = run_cli(
+            "generate",
+            "--model",
+            tmp_path,
+            "--drafter",
+            "none",
+            "--prompt",
+            prompt,
+            "--ignore-chat-template",
+            "--max-tokens",
+            24,
+            "--json",
+            *options,
+        )
         assert result.returncode == 0, result.stderr
         assert json.loads(result.stdout)["tokens"] == expected, options
 

@@ -27,7 +27,14 @@ def generate(redrafter, prompts, choose, max_tokens, draft):
     return outputs, logprobs
 
 
-@pytest.mark.parametrize("penalties", [dict(presence_penalty=1.5), dict(frequency_penalty=0.8, frequency_context_size=6), dict(presence_penalty=0.7, frequency_penalty=0.5, logit_bias={3: 1.0})])
+@pytest.mark.parametrize(
+    "penalties",
+    [
+        dict(presence_penalty=1.5),
+        dict(frequency_penalty=0.8, frequency_context_size=6),
+        dict(presence_penalty=0.7, frequency_penalty=0.5, logit_bias={3: 1.0}),
+    ],
+)
 def test_greedy_penalties_equal_mlx_lms_own_processors(penalties):
     base = BaseModel(tiny_model("llama", seed=31))
     prompt = [5, 17, 42, 99, 3, 250, 7, 18]
@@ -61,7 +68,14 @@ def processed(logits: np.ndarray, tokens: list, settings: dict) -> np.ndarray:
     return probs
 
 
-@pytest.mark.parametrize("settings", [dict(temp=1.0, presence_penalty=0.8, frequency_penalty=0.4), dict(temp=1.0, xtc_probability=0.5, xtc_threshold=0.12)], ids=["penalties", "xtc"])
+@pytest.mark.parametrize(
+    "settings",
+    [
+        dict(temp=1.0, presence_penalty=0.8, frequency_penalty=0.4),
+        dict(temp=1.0, xtc_probability=0.5, xtc_threshold=0.12),
+    ],
+    ids=["penalties", "xtc"],
+)
 def test_sampling_with_penalties_or_xtc_has_the_exact_distribution(settings):
     """4,000 seeded samples of three tokens through 4x3 trees of a drafter
     that likes the likely tokens, against the distribution by enumeration."""
@@ -78,7 +92,13 @@ def test_sampling_with_penalties_or_xtc_has_the_exact_distribution(settings):
             joint[a, b] = p1[a] * p2[b] * probs([a, b])
     marginal = joint.sum(axis=(1, 2))
     choose = make_chooser(SamplingSettings(**settings, row_seeds=list(range(SAMPLES))))
-    outputs, _ = generate(ReDrafter(base, FixedDrafter(np.log(marginal + 1e-9))), [PROMPT] * SAMPLES, choose, 3, DraftSettings(beam_width=4, beam_length=3, max_nodes=8))
+    outputs, _ = generate(
+        ReDrafter(base, FixedDrafter(np.log(marginal + 1e-9))),
+        [PROMPT] * SAMPLES,
+        choose,
+        3,
+        DraftSettings(beam_width=4, beam_length=3, max_nodes=8),
+    )
     counts = np.zeros((VOCAB,) * 3, int)
     for tokens in outputs:
         counts[tuple(tokens)] += 1
@@ -90,8 +110,16 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
     return logits - np.log(np.exp(logits - logits.max()).sum()) - logits.max()
 
 
-@pytest.mark.parametrize("settings", [dict(temp=0.0), dict(temp=0.8, top_p=0.9, seed=3), dict(temp=0.0, presence_penalty=1.0, logit_bias={7: 2.0})], ids=["greedy", "sampled", "processed"])
-@pytest.mark.parametrize("draft", [DraftSettings(max_nodes=0), DraftSettings(beam_width=3, beam_length=4, max_nodes=10)], ids=["plain", "speculative"])
+@pytest.mark.parametrize(
+    "settings",
+    [dict(temp=0.0), dict(temp=0.8, top_p=0.9, seed=3), dict(temp=0.0, presence_penalty=1.0, logit_bias={7: 2.0})],
+    ids=["greedy", "sampled", "processed"],
+)
+@pytest.mark.parametrize(
+    "draft",
+    [DraftSettings(max_nodes=0), DraftSettings(beam_width=3, beam_length=4, max_nodes=10)],
+    ids=["plain", "speculative"],
+)
 def test_logprobs_are_the_log_softmax_of_the_processed_logits_at_each_emitted_token(settings, draft):
     """Taken from the verification pass: each emitted token's log-probability
     and its top alternatives equal the log-softmax of plain decoding's
@@ -126,5 +154,11 @@ def test_a_forced_opening_is_decoded_first_and_then_greedy_equals_plain_decoding
     for step in autoregressive_steps(base, [prompt], max_tokens=30, choose=choose):
         plain += step[0].tokens
     assert plain[:3] == [200, 201, 202]
-    (tokens,), _ = generate(ReDrafter(base, tiny_drafter(seed=51)), [prompt], choose, 30, DraftSettings(beam_width=3, beam_length=4, max_nodes=10))
+    (tokens,), _ = generate(
+        ReDrafter(base, tiny_drafter(seed=51)),
+        [prompt],
+        choose,
+        30,
+        DraftSettings(beam_width=3, beam_length=4, max_nodes=10),
+    )
     assert tokens == plain

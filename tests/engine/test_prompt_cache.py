@@ -18,7 +18,9 @@ TURNS = [[5, 17, 42, 99, 3, 250, 7, 18], [11, 12, 13], [200, 201, 5, 17, 42], [9
 
 def run(redrafter, prompt, cache=None, max_tokens=24, **kwargs):
     tokens = []
-    for (out,) in generate_steps(redrafter, [prompt], max_tokens=max_tokens, prompt_caches=None if cache is None else [cache], **kwargs):
+    for (out,) in generate_steps(
+        redrafter, [prompt], max_tokens=max_tokens, prompt_caches=None if cache is None else [cache], **kwargs
+    ):
         tokens += out.tokens
     return tokens
 
@@ -90,7 +92,10 @@ def test_the_store_finds_the_longest_shared_prefix_and_keeps_within_its_memory()
     store = PromptCacheStore(max_bytes=32 * 10, min_reuse=1)  # ten tokens
     store.add(entry([1, 2, 3]))
     store.add(entry([7, 8]))
-    assert store.reusable([1, 2, 3, 4]) == 3 and [e.tokens for e in store.entries] == [[1, 2, 3], [7, 8]]  # a look changes nothing
+    assert store.reusable([1, 2, 3, 4]) == 3 and [e.tokens for e in store.entries] == [
+        [1, 2, 3],
+        [7, 8],
+    ]  # a look changes nothing
     assert store.find([1, 2, 3, 4]).tokens == [1, 2, 3]
     assert store.find([5]) is None and store.reusable([5]) == 0
     store.add(entry([1, 2, 3, 4, 5]))  # the next turn replaces the one it extends
@@ -130,7 +135,10 @@ def test_a_prompt_sharing_only_the_first_token_neither_matches_nor_makes_the_lat
     assert len(store.find(turn3)) == 13
     store.add(entry(turn3 + [92, 93]))  # over 36: the earlier request goes
     assert [len(e) for e in store.entries] == [13, 23]
-    assert store.find([1, 80, 81]) is None and [len(e) for e in store.entries] == [13, 23]  # no match, nothing refreshed
+    assert store.find([1, 80, 81]) is None and [len(e) for e in store.entries] == [
+        13,
+        23,
+    ]  # no match, nothing refreshed
     store.add(entry([1, 80, 81, 82, 83, 84, 85]))  # over 36 again: turn 2 goes, not turn 3's tail
     assert [len(e) for e in store.entries] == [23, 7] and store.find(turn3 + [50]).tokens[:21] == turn3
 

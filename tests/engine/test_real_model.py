@@ -19,7 +19,9 @@ COPY_REQUEST = "Repeat this sentence exactly, twice: The old lighthouse keeper c
 
 
 def chat_ids(tokenizer, message):
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": message}], tokenize=False, add_generation_prompt=True)
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": message}], tokenize=False, add_generation_prompt=True
+    )
     return tokenizer.encode(prompt, add_special_tokens=False)
 
 
@@ -41,7 +43,9 @@ def test_greedy_parity_with_random_drafter(smol, shape):
     base, ids, reference = smol
     mx.random.seed(shape[0])
     drafter = Drafter(DrafterArgs(vocab_size=base.vocab_size, hidden_size=base.hidden_size, exit_dim=64))
-    (tokens,), _ = run(ReDrafter(base, drafter), [ids], max_tokens=NUM_TOKENS, beam_width=shape[0], beam_length=shape[1])
+    (tokens,), _ = run(
+        ReDrafter(base, drafter), [ids], max_tokens=NUM_TOKENS, beam_width=shape[0], beam_length=shape[1]
+    )
     assert tokens == reference[:NUM_TOKENS]
 
 
@@ -53,8 +57,6 @@ def test_greedy_parity_with_partly_right_drafter(smol):
     assert len(set(accepted)) > 2
 
 
-
-
 @pytest.mark.parametrize("temp", [0.0, 0.5], ids=["greedy", "sampled"])
 def test_long_lookup_continuations_keep_the_output(smol_model, temp):
     """Lookup continuations of 12 tokens, every node verified, on an answer
@@ -64,7 +66,14 @@ def test_long_lookup_continuations_keep_the_output(smol_model, temp):
     base, tokenizer = smol_model
     ids = chat_ids(tokenizer, COPY_REQUEST)
     choose = make_chooser(SamplingSettings(temp=temp, seed=3))
-    plain = [token for step in autoregressive_steps(base, [ids], max_tokens=NUM_TOKENS, choose=choose) for out in step for token in out.tokens]
-    (tokens,), accepted = run(ReDrafter(base, None), [ids], max_tokens=NUM_TOKENS, choose=choose, lookup_length=12, max_nodes=12)
+    plain = [
+        token
+        for step in autoregressive_steps(base, [ids], max_tokens=NUM_TOKENS, choose=choose)
+        for out in step
+        for token in out.tokens
+    ]
+    (tokens,), accepted = run(
+        ReDrafter(base, None), [ids], max_tokens=NUM_TOKENS, choose=choose, lookup_length=12, max_nodes=12
+    )
     assert tokens == plain
     assert max(accepted) > 4

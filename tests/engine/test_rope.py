@@ -16,12 +16,25 @@ ROPES = {
     "traditional": lambda: nn.RoPE(HEAD_DIM, traditional=True, base=500),
     "partial": lambda: nn.RoPE(HEAD_DIM // 2, base=10000),
     "scaled": lambda: nn.RoPE(HEAD_DIM, base=10000, scale=0.25),
-    "llama3": lambda: Llama3RoPE(HEAD_DIM, scaling_config={"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                                             "original_max_position_embeddings": 64}),
-    "yarn": lambda: YarnRoPE(HEAD_DIM, scaling_factor=4.0, original_max_position_embeddings=64, mscale=1.0, mscale_all_dim=0.5),
-    "su": lambda: SuScaledRoPE(HEAD_DIM, max_position_embeddings=1024, original_max_position_embeddings=64,
-                               short_factor=[1.0 + i / 8 for i in range(HEAD_DIM // 2)],
-                               long_factor=[2.0 + i / 4 for i in range(HEAD_DIM // 2)]),
+    "llama3": lambda: Llama3RoPE(
+        HEAD_DIM,
+        scaling_config={
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    ),
+    "yarn": lambda: YarnRoPE(
+        HEAD_DIM, scaling_factor=4.0, original_max_position_embeddings=64, mscale=1.0, mscale_all_dim=0.5
+    ),
+    "su": lambda: SuScaledRoPE(
+        HEAD_DIM,
+        max_position_embeddings=1024,
+        original_max_position_embeddings=64,
+        short_factor=[1.0 + i / 8 for i in range(HEAD_DIM // 2)],
+        long_factor=[2.0 + i / 4 for i in range(HEAD_DIM // 2)],
+    ),
     "proportional": lambda: ProportionalRoPE(HEAD_DIM, rotated_dims=HEAD_DIM // 2, base=10000),
 }
 

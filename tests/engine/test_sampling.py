@@ -9,7 +9,16 @@ from collections import Counter
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import CHAT_PROMPT, CHAT_SETTINGS, OracleDrafter, assert_same_distribution, processed_probs, run_cli, tiny_drafter, tiny_model
+from conftest import (
+    CHAT_PROMPT,
+    CHAT_SETTINGS,
+    OracleDrafter,
+    assert_same_distribution,
+    processed_probs,
+    run_cli,
+    tiny_drafter,
+    tiny_model,
+)
 
 from redrafter_mlx.engine.autoregressive import autoregressive_steps
 from redrafter_mlx.engine import calibrate
@@ -82,7 +91,9 @@ def redrafter_counts(base, drafter, settings, shape, mode="rnn"):
     chooser = make_chooser(SamplingSettings(**settings, row_seeds=list(range(SAMPLES))))
     counts = np.zeros((VOCAB,) * 3, int)
     outputs = [[] for _ in range(SAMPLES)]
-    for step in generate_steps(ReDrafter(base, drafter), [PROMPT] * SAMPLES, max_tokens=3, draft=draft_settings(mode, shape), choose=chooser):
+    for step in generate_steps(
+        ReDrafter(base, drafter), [PROMPT] * SAMPLES, max_tokens=3, draft=draft_settings(mode, shape), choose=chooser
+    ):
         for out in step:
             outputs[out.row] += out.tokens
     for tokens in outputs:
@@ -92,7 +103,9 @@ def redrafter_counts(base, drafter, settings, shape, mode="rnn"):
 
 @pytest.mark.parametrize("settings", SETTINGS, ids=lambda s: "-".join(f"{k}{v}" for k, v in s.items()))
 @pytest.mark.parametrize("shape", [(1, 3), (4, 3)], ids=["1x3", "4x3"])
-@pytest.mark.parametrize("drafter_kind, mode", [("likely", "rnn"), ("unlikely", "rnn"), ("likely", "auto"), ("like_lookup", "both")])
+@pytest.mark.parametrize(
+    "drafter_kind, mode", [("likely", "rnn"), ("unlikely", "rnn"), ("likely", "auto"), ("like_lookup", "both")]
+)
 def test_sampled_tokens_have_the_base_models_distribution(base, settings, shape, drafter_kind, mode, monkeypatch):
     """like_lookup: the drafter prefers 1 then 5, which the lookup proposes
     after 7 (PROMPT repeats 7, 1, 5), so RNN and lookup drafts share
@@ -194,7 +207,9 @@ def test_noise_reused_across_calls_draws_what_fresh_noise_draws():
     kept = make_chooser(settings)
     logits = mx.zeros((2, nodes, vocab))
     chosen = []
-    for step, (rows, length) in enumerate([([0, 1], 10), ([0, 1], 12), ([0, 1], 13), ([1, 2], 13), ([1, 2], 17), ([0, 2], 17)]):
+    for step, (rows, length) in enumerate(
+        [([0, 1], 10), ([0, 1], 12), ([0, 1], 13), ([1, 2], 13), ([1, 2], 17), ([0, 2], 17)]
+    ):
         history = TokenHistory(rows, [[0] * (length + r) for r in rows], mx.zeros((2, nodes), mx.int32), None, depths)
         got = kept(logits, history)
         assert mx.array_equal(got, make_chooser(settings)(logits, history)), step
@@ -202,7 +217,11 @@ def test_noise_reused_across_calls_draws_what_fresh_noise_draws():
     assert len(set(chosen)) >= 20
 
 
-@pytest.mark.parametrize("settings", [dict(temp=1.0, top_k=4), dict(temp=1.0, top_p=0.9), dict(temp=1.0, min_p=0.02)], ids=["top_k", "top_p", "min_p"])
+@pytest.mark.parametrize(
+    "settings",
+    [dict(temp=1.0, top_k=4), dict(temp=1.0, top_p=0.9), dict(temp=1.0, min_p=0.02)],
+    ids=["top_k", "top_p", "min_p"],
+)
 def test_no_token_outside_the_filters_with_a_real_size_vocabulary(settings):
     """4,000 draws over 32,768 tokens: with 24-bit uniforms about 8 of them
     fell on a token the filter had removed."""
@@ -245,7 +264,17 @@ def test_copies_of_one_prompt_across_chunks_sample_the_exact_distribution(chat_m
     model, drafter, _, exact, _ = chat_model
     redrafter, tokenizer = load(model, drafter=drafter)
     choose = make_chooser(SamplingSettings(**CHAT_SETTINGS[index], seed=5))
-    results = batch_steps(redrafter, tokenizer, [CHAT_PROMPT] * SAMPLES, 2, batch_size=500, beam_width=shape[0], beam_length=shape[1], max_nodes=shape[0] * (shape[1] - 1), choose=choose)
+    results = batch_steps(
+        redrafter,
+        tokenizer,
+        [CHAT_PROMPT] * SAMPLES,
+        2,
+        batch_size=500,
+        beam_width=shape[0],
+        beam_length=shape[1],
+        max_nodes=shape[0] * (shape[1] - 1),
+        choose=choose,
+    )
     assert sum(r.step_tokens for r in results) > 1.3 * sum(r.steps for r in results)  # drafts are accepted
     joint = copies_exact_distribution(exact[index])
     assert_same_distribution(pair_counts([r.tokens for r in results], len(joint)), joint)
@@ -259,8 +288,24 @@ def test_generate_prompts_file_of_copies_samples_the_exact_distribution(chat_mod
     width, length = shape.split("x")
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in CHAT_SETTINGS[index].items()]
     result = run_cli(
-        "generate", "--model", model, "--drafter", drafter, "--prompts", prompts, "--batch-size", 400,
-        "--max-tokens", 2, "--seed", 9, "--beam-width", width, "--beam-length", length, *flags,
+        "generate",
+        "--model",
+        model,
+        "--drafter",
+        drafter,
+        "--prompts",
+        prompts,
+        "--batch-size",
+        400,
+        "--max-tokens",
+        2,
+        "--seed",
+        9,
+        "--beam-width",
+        width,
+        "--beam-length",
+        length,
+        *flags,
     )
     assert result.returncode == 0, result.stderr
     lines = [json.loads(line)["tokens"] for line in result.stdout.splitlines()]
@@ -279,13 +324,23 @@ def test_the_reference_rule_fails_the_copies_test(chat_model, index):
     q[list(drafter_probs)] = list(drafter_probs.values())
     beams = sorted(itertools.product(drafter_probs, repeat=2), key=lambda ab: -(q[ab[0]] * q[ab[1]]))[:4]
     rng = np.random.default_rng(1)
-    samples = [reference_rule_sample(lambda prefix: p2[prefix[0]] if prefix else p1, beams, q, 2, rng) for _ in range(SAMPLES)]
+    samples = [
+        reference_rule_sample(lambda prefix: p2[prefix[0]] if prefix else p1, beams, q, 2, rng) for _ in range(SAMPLES)
+    ]
     joint = copies_exact_distribution(exact[index])
     with pytest.raises(AssertionError):
         assert_same_distribution(pair_counts(samples, len(joint)), joint)
 
 
-@pytest.mark.parametrize("settings", [dict(temp=0.8), dict(temp=1.0, top_k=3), dict(temp=0.9, repetition_penalty=1.5), dict(temp=1.0, min_p=0.1, logit_bias={3: 2.0})])
+@pytest.mark.parametrize(
+    "settings",
+    [
+        dict(temp=0.8),
+        dict(temp=1.0, top_k=3),
+        dict(temp=0.9, repetition_penalty=1.5),
+        dict(temp=1.0, min_p=0.1, logit_bias={3: 2.0}),
+    ],
+)
 def test_seeded_sampling_equals_autoregressive_sampling_and_ignores_batching(settings):
     """Noise keyed by (the prompt's seed, position): ReDrafter and plain
     decoding draw the same tokens, in a batch or each prompt alone with its
@@ -303,7 +358,14 @@ def test_seeded_sampling_equals_autoregressive_sampling_and_ignores_batching(set
     for groups in ([range(3)], [[0], [1], [2]], [[2, 0], [1]]):
         got = {}
         for group in groups:
-            steps = generate_steps(ReDrafter(base, drafter), [prompts[i] for i in group], max_tokens=40, draft=DraftSettings(beam_width=3, beam_length=4), choose=choose, row_ids=group)
+            steps = generate_steps(
+                ReDrafter(base, drafter),
+                [prompts[i] for i in group],
+                max_tokens=40,
+                draft=DraftSettings(beam_width=3, beam_length=4),
+                choose=choose,
+                row_ids=group,
+            )
             for step in steps:
                 for out in step:
                     got.setdefault(group[out.row], []).extend(out.tokens)
@@ -321,7 +383,9 @@ def test_batched_greedy_equals_each_prompts_solo_run(batch_size):
     references = [mlx_lm_greedy(base.model, p, 48) for p in prompts]
     for drafter in (tiny_drafter(seed=3), OracleDrafter(base, [p + r for p, r in zip(prompts, references)], corrupt=5)):
         outputs = [[] for _ in prompts]
-        for step in generate_steps(ReDrafter(base, drafter), prompts, max_tokens=40, draft=DraftSettings(beam_width=4, beam_length=5)):
+        for step in generate_steps(
+            ReDrafter(base, drafter), prompts, max_tokens=40, draft=DraftSettings(beam_width=4, beam_length=5)
+        ):
             for out in step:
                 outputs[out.row] += out.tokens
         assert outputs == [r[:40] for r in references]
@@ -355,7 +419,11 @@ def test_prompts_with_settings_of_their_own_sample_in_one_batch_as_alone():
     base = BaseModel(tiny_model("llama", seed=6))
     redrafter = ReDrafter(base, tiny_drafter(seed=7))
     prompts = [[5, 17, 42], [9, 8, 7, 6], [5, 17, 42]]
-    settings = [SamplingSettings(temp=1.0, top_k=8, seed=11), SamplingSettings(temp=0.0, repetition_penalty=1.3), SamplingSettings(temp=0.7, top_p=0.9, seed=12)]
+    settings = [
+        SamplingSettings(temp=1.0, top_k=8, seed=11),
+        SamplingSettings(temp=0.0, repetition_penalty=1.3),
+        SamplingSettings(temp=0.7, top_p=0.9, seed=12),
+    ]
 
     def tokens(prompt_list, choose, ids=None):
         out = {}
@@ -365,6 +433,8 @@ def test_prompts_with_settings_of_their_own_sample_in_one_batch_as_alone():
         return [out[i] for i in range(len(prompt_list))]
 
     alone = [tokens([p], make_chooser(s))[0] for p, s in zip(prompts, settings)]
-    together = tokens(prompts, chooser_per_prompt({40 + i: make_chooser(s) for i, s in enumerate(settings)}), ids=[40, 41, 42])
+    together = tokens(
+        prompts, chooser_per_prompt({40 + i: make_chooser(s) for i, s in enumerate(settings)}), ids=[40, 41, 42]
+    )
     assert together == alone
     assert alone[0] != alone[2]  # the seeds and settings differ

@@ -145,9 +145,7 @@ def test_quantized_blocks_dequantize_exactly(qtype):
     values = np.random.default_rng(0).standard_normal((8, 128)).astype(np.float32)
     blocks = gguf.quants.quantize(values, qtype)
     weight, scales, biases, bits = mlx_quantized(blocks, qtype)
-    ours = mx.dequantize(
-        mx.array(weight), mx.array(scales, mx.float32), mx.array(biases, mx.float32), 32, bits
-    )
+    ours = mx.dequantize(mx.array(weight), mx.array(scales, mx.float32), mx.array(biases, mx.float32), 32, bits)
     assert (np.array(ours) == gguf.quants.dequantize(blocks, qtype)).all()
 
 
@@ -210,7 +208,20 @@ def test_the_shipped_gemma3_drafter_is_found_by_the_models_identity_and_keeps_it
     assert config["base_model"]["identity"] == redrafter.identity
     opening = "The history of the printing press begins in"
     found = run_cli("generate", "--model", gemma3_path, "--prompt", opening, "--max-tokens", 24, "--json")
-    plain = run_cli("generate", "--model", gemma3_path, "--drafter", "none", "--max-nodes", 0, "--prompt", opening, "--max-tokens", 24, "--json")
+    plain = run_cli(
+        "generate",
+        "--model",
+        gemma3_path,
+        "--drafter",
+        "none",
+        "--max-nodes",
+        0,
+        "--prompt",
+        opening,
+        "--max-tokens",
+        24,
+        "--json",
+    )
     assert found.returncode == 0 and plain.returncode == 0, found.stderr + plain.stderr
     assert "no drafter is shipped" not in found.stderr
     assert json.loads(found.stdout)["tokens"] == json.loads(plain.stdout)["tokens"]
@@ -328,7 +339,13 @@ def test_redrafter_parity_with_rope_freqs(tmp_path):
     base = BaseModel(load_gguf(str(tmp_path / "tiny.gguf"), dtype="float32")[0])
     prompt = [1, 50, 200, 7, 99, 3]
     reference = mlx_lm_greedy(base.model, prompt, 48)
-    (tokens,), accepted = run(ReDrafter(base, OracleDrafter(base, [prompt + reference], corrupt=4)), [prompt], max_tokens=40, beam_width=3, beam_length=4)
+    (tokens,), accepted = run(
+        ReDrafter(base, OracleDrafter(base, [prompt + reference], corrupt=4)),
+        [prompt],
+        max_tokens=40,
+        beam_width=3,
+        beam_length=4,
+    )
     assert tokens == reference[:40] and max(accepted) == 3
 
 

@@ -20,8 +20,18 @@ def model_folder(tmp_path_factory):
     folder.mkdir()
     _, tokenizer = load_base_model(None)
     tokenizer._tokenizer.save_pretrained(str(folder))
-    config = dict(model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=128, num_attention_heads=4,
-                  num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=49152, tie_word_embeddings=True, max_position_embeddings=2048)
+    config = dict(
+        model_type="llama",
+        hidden_size=64,
+        num_hidden_layers=2,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-5,
+        vocab_size=49152,
+        tie_word_embeddings=True,
+        max_position_embeddings=2048,
+    )
     mx.random.seed(0)
     model = llama.Model(llama.ModelArgs(**config))
     mx.save_safetensors(str(folder / "model.safetensors"), dict(tree_flatten(model.parameters())))
@@ -48,7 +58,11 @@ def test_a_loaded_model_generates_on_another_thread(model_folder, tmp_path):
     save_drafter(drafter, str(tmp_path / "d16"))
     redrafter, tokenizer = load(str(model_folder), drafter=str(tmp_path / "d16"))
     results = []
-    worker = threading.Thread(target=lambda: results.append(generate(redrafter, tokenizer, "Hello", max_tokens=8, draft=DraftSettings(max_nodes=4))))
+    worker = threading.Thread(
+        target=lambda: results.append(
+            generate(redrafter, tokenizer, "Hello", max_tokens=8, draft=DraftSettings(max_nodes=4))
+        )
+    )
     worker.start()
     worker.join()
     assert len(results) == 1 and isinstance(results[0], str)
@@ -130,7 +144,11 @@ def test_a_drafter_given_by_hub_id_loads_from_the_hugging_face_cache(model_folde
     # A local folder of the same name wins over the Hub.
     monkeypatch.chdir(tmp_path)
     local = random_drafter(tmp_path / "org" / "name", seed=4)
-    assert load(str(model_folder), drafter="org/name")[0].drafter_identity == drafter_identity(local) != drafter_identity(saved)
+    assert (
+        load(str(model_folder), drafter="org/name")[0].drafter_identity
+        == drafter_identity(local)
+        != drafter_identity(saved)
+    )
 
 
 def test_a_hub_drafter_that_cannot_be_had_is_one_clear_error(model_folder, tmp_path, offline_hub):
@@ -141,11 +159,16 @@ def test_a_hub_drafter_that_cannot_be_had_is_one_clear_error(model_folder, tmp_p
         return str(caught.value)
 
     message = error("org/absent")
-    assert message.startswith("drafter org/absent is not in the local Hugging Face cache and the Hub cannot be reached (offline")
+    assert message.startswith(
+        "drafter org/absent is not in the local Hugging Face cache and the Hub cannot be reached (offline"
+    )
     (tmp_path / "card-only").mkdir()
     (tmp_path / "card-only" / "README.md").write_text("# not a drafter\n")
     hub_cache(offline_hub, "org/card-only", tmp_path / "card-only")
-    assert error("org/card-only") == "Hugging Face repository org/card-only is not a drafter: it has no config.json or model.safetensors"
+    assert (
+        error("org/card-only")
+        == "Hugging Face repository org/card-only is not a drafter: it has no config.json or model.safetensors"
+    )
     # Local paths (., /, ~, or not exactly one "/") are never looked up on the Hub.
     for path in ("./org/absent", str(tmp_path / "absent"), "a/b/c", "absent"):
         assert error(path) == f"drafter folder not found: {path}"
@@ -165,12 +188,17 @@ def test_generate_takes_a_hub_drafter_from_the_command_line(model_folder, tmp_pa
     result = run_cli(*args, "--drafter", "org/missing", env=offline)
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert result.returncode == 1 and len(lines) == 1, result.stderr
-    assert lines[0].startswith("error: drafter org/missing is not in the local Hugging Face cache and the Hub cannot be reached (offline")
+    assert lines[0].startswith(
+        "error: drafter org/missing is not in the local Hugging Face cache and the Hub cannot be reached (offline"
+    )
 
 
 def test_a_drafter_made_for_another_model_of_the_same_sizes_is_loaded_with_a_warning(model_folder, tmp_path, capsys):
-    save_drafter(Drafter(DrafterArgs(vocab_size=49152, hidden_size=64, exit_dim=32)), str(tmp_path / "d"),
-                 {"base_model": {"name": "another-model", "identity": "0123456789abcdef"}})
+    save_drafter(
+        Drafter(DrafterArgs(vocab_size=49152, hidden_size=64, exit_dim=32)),
+        str(tmp_path / "d"),
+        {"base_model": {"name": "another-model", "identity": "0123456789abcdef"}},
+    )
     redrafter, _ = load(str(model_folder), drafter=str(tmp_path / "d"))
     err = capsys.readouterr().err
     assert redrafter.drafter is not None

@@ -22,11 +22,17 @@ def test_a_plain_turns_end_stops_the_answer_but_is_not_a_clients_stop_sequence()
 
 def test_text_written_after_a_call_comes_after_it():
     tools = [{"type": "function", "function": {"name": "read", "parameters": {"type": "object", "properties": {}}}}]
-    answer = Answer(SimpleNamespace(detokenizer=None), Job(Request([1], 8), "chat", tools=tools), None, None, GENERIC_TOOLS)
+    answer = Answer(
+        SimpleNamespace(detokenizer=None), Job(Request([1], 8), "chat", tools=tools), None, None, GENERIC_TOOLS
+    )
     parts = [Part()]
     call = '<tool_call>\n{"name": "read", "arguments": {}}\n</tool_call>'
     answer._show(parts, "Reading." + call + "Done." + call)  # one step's text: two calls, text between them
     answer._show(parts, "Then")
     answer._finish(parts, "stop", None)
-    assert [(p.text, [c["name"] for c in p.calls]) for p in parts] == [("Reading.", ["read"]), ("Done.", ["read"]), ("Then", [])]
+    assert [(p.text, [c["name"] for c in p.calls]) for p in parts] == [
+        ("Reading.", ["read"]),
+        ("Done.", ["read"]),
+        ("Then", []),
+    ]
     assert answer.finish_reason == "tool_calls"

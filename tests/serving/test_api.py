@@ -3,7 +3,9 @@
 import numpy as np
 import pytest
 
-from redrafter_mlx.engine.calibrate import cost_curve as measured_cost_curve  # (tests fix the curve: this is the real one)
+from redrafter_mlx.engine.calibrate import (
+    cost_curve as measured_cost_curve,
+)  # (tests fix the curve: this is the real one)
 from redrafter_mlx.errors import UserError
 from redrafter_mlx.serving.api import encode_prompt
 
@@ -25,13 +27,19 @@ class NoTemplate:
 def test_a_message_and_the_same_conversation_give_the_same_ids(tokenizer):
     ids = encode_prompt(tokenizer, "w1 w2")
     assert ids == encode_prompt(tokenizer, [{"role": "user", "content": "w1 w2"}])
-    text = tokenizer.apply_chat_template([{"role": "user", "content": "w1 w2"}], tokenize=False, add_generation_prompt=True)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "w1 w2"}], tokenize=False, add_generation_prompt=True
+    )
     assert ids == tokenizer.encode(text, add_special_tokens=False)
     assert encode_prompt(tokenizer, "w1 w2", chat_template=False) == tokenizer.encode("w1 w2")
 
 
 def test_a_conversation_keeps_every_turn(tokenizer):
-    conversation = [{"role": "user", "content": "w1"}, {"role": "assistant", "content": "w2"}, {"role": "user", "content": "w3"}]
+    conversation = [
+        {"role": "user", "content": "w1"},
+        {"role": "assistant", "content": "w2"},
+        {"role": "user", "content": "w3"},
+    ]
     ids = encode_prompt(tokenizer, conversation)
     assert tokenizer.decode(ids).split().count("user") == 2
     assert ids[: len(encode_prompt(tokenizer, "w1")) - 2] == encode_prompt(tokenizer, "w1")[:-2]

@@ -27,7 +27,13 @@ def test_sampled_mlx_lm_baseline_emits_the_seeded_redrafter_tokens():
 
 def test_a_batch_counts_once_by_the_median_of_its_repeats_and_keeps_its_step_counts():
     counts = {0: [30, 75, 150, 75], 1: [60, 90, 240, 96]}  # steps, step tokens, nodes, tokens over 3 repeats
-    result = ConfigResult("auto", redrafter_tps=[1.0], baseline_tps=[1.0], speedups={0: [1.0, 2.0, 3.0], 1: [0.5, 0.6, 10.0]}, counts=counts)
+    result = ConfigResult(
+        "auto",
+        redrafter_tps=[1.0],
+        baseline_tps=[1.0],
+        speedups={0: [1.0, 2.0, 3.0], 1: [0.5, 0.6, 10.0]},
+        counts=counts,
+    )
     summary = result.summary()
     assert summary["speedups"] == [2.0, 0.6]
     assert (summary["speedup_min"], summary["speedup_max"]) == (0.6, 2.0)  # not the single runs' 0.5 and 10
@@ -42,8 +48,20 @@ def test_a_batch_counts_once_by_the_median_of_its_repeats_and_keeps_its_step_cou
 def test_configurations_differ_only_where_their_names_say():
     auto, lookup, rnn, both = parse_configs("auto, lookup, rnn:4x5, both:2x3")
     assert auto.draft == lookup.draft == DraftSettings()  # lookup runs the defaults without a drafter
-    assert rnn.draft == DraftSettings(4, 5, max_nodes=16, lookup=False, datastore_beams=0, later_vocab=None, partial_beams=False, first_vocab=None)
-    assert both.draft == DraftSettings(2, 3, max_nodes=6, lookup=True, lookup_length=2, datastore_beams=0, later_vocab=None, partial_beams=False, first_vocab=None)
+    assert rnn.draft == DraftSettings(
+        4, 5, max_nodes=16, lookup=False, datastore_beams=0, later_vocab=None, partial_beams=False, first_vocab=None
+    )
+    assert both.draft == DraftSettings(
+        2,
+        3,
+        max_nodes=6,
+        lookup=True,
+        lookup_length=2,
+        datastore_beams=0,
+        later_vocab=None,
+        partial_beams=False,
+        first_vocab=None,
+    )
     for retired in ("final", "nostore", "lookuplen:4"):
         with pytest.raises(UserError, match="unknown bench configuration"):
             parse_configs(retired)

@@ -17,8 +17,12 @@ def test_chat_session():
     fast machine or when this test process is starved of CPU."""
     env = dict(os.environ, PYTHONPATH=ROOT)
     child = pexpect.spawn(
-        sys.executable, ["-m", "redrafter_mlx.cli", "chat", "--max-tokens", "2048"],
-        cwd=ROOT, env=env, encoding="utf-8", timeout=180,
+        sys.executable,
+        ["-m", "redrafter_mlx.cli", "chat", "--max-tokens", "2048"],
+        cwd=ROOT,
+        env=env,
+        encoding="utf-8",
+        timeout=180,
     )
     child.logfile_read = transcript = io.StringIO()
     try:
@@ -122,7 +126,9 @@ def test_chat_samples_with_the_models_recommendation_else_local_chat_defaults(ch
     assert (plain.temp, plain.top_p, plain.top_k) == (0.7, 0.9, 0)
     assert chat_sampling({}, temp=0.0).temp == 0.0  # --temp 0 is greedy
 
-    (model / "generation_config.json").write_text(json.dumps({"do_sample": True, "temperature": 0.6, "top_p": 0.95, "top_k": 20, "eos_token_id": 2}))
+    (model / "generation_config.json").write_text(
+        json.dumps({"do_sample": True, "temperature": 0.6, "top_p": 0.95, "top_k": 20, "eos_token_id": 2})
+    )
     redrafter, _ = load(str(model), drafter="none")
     recommended = chat_sampling(redrafter.generation_config)
     assert (recommended.temp, recommended.top_p, recommended.top_k, recommended.min_p) == (0.6, 0.95, 20, 0.0)
@@ -166,5 +172,12 @@ def test_an_answer_cut_by_max_tokens_is_marked(chat_model):
     redrafter, tokenizer = load(chat_model[0], drafter=chat_model[1])
     read, _ = scripted(["w1 w2"])
     shown = []
-    chat_loop(redrafter, tokenizer, 3, read=read, write=lambda *a, **k: shown.append("".join(map(str, a))), dim=lambda t: f"<{t}>")
+    chat_loop(
+        redrafter,
+        tokenizer,
+        3,
+        read=read,
+        write=lambda *a, **k: shown.append("".join(map(str, a))),
+        dim=lambda t: f"<{t}>",
+    )
     assert "< [stopped at --max-tokens 3]>" in shown

@@ -57,8 +57,14 @@ IMPORTS = {
 
 
 def run_program(library: str, model: str) -> dict:
-    done = subprocess.run([sys.executable, "-c", PROGRAM.replace("IMPORT", IMPORTS[library]), model], cwd=ROOT,
-                          env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, "-c", PROGRAM.replace("IMPORT", IMPORTS[library]), model],
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=ROOT),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.splitlines()[-1])
 
@@ -96,7 +102,9 @@ def test_logits_processors_see_each_nodes_own_path(pair, chat_model):
     model, tokenizer = mlx_lm.load(chat_model[0])
     prompt = chat_model[2]
     processors = [no_repeat] + make_logits_processors(repetition_penalty=1.3)
-    expected = [r.token for r in mlx_lm.stream_generate(model, tokenizer, prompt, max_tokens=40, logits_processors=processors)]
+    expected = [
+        r.token for r in mlx_lm.stream_generate(model, tokenizer, prompt, max_tokens=40, logits_processors=processors)
+    ]
     draft = DraftSettings(beam_width=4, beam_length=4, max_nodes=12)
     responses = list(stream_generate(*pair, prompt, max_tokens=40, logits_processors=processors, draft=draft))
     assert [r.token for r in responses] == expected
@@ -123,23 +131,38 @@ def test_sampled_tokens_from_an_apps_sampler_have_plain_samplings_distribution(p
         joint[a] = p1[a] * probs(prompt + [int(a)])
     draft = DraftSettings(beam_width=4, beam_length=3, max_nodes=8)
     mx.random.seed(3)
-    result = batch_generate(*pair, [prompt] * 4000, max_tokens=2, return_token_ids=True, completion_batch_size=500, draft=draft,
-                            sampler=make_sampler(temp=0.7, top_p=0.9), logits_processors=[penalty])
+    result = batch_generate(
+        *pair,
+        [prompt] * 4000,
+        max_tokens=2,
+        return_token_ids=True,
+        completion_batch_size=500,
+        draft=draft,
+        sampler=make_sampler(temp=0.7, top_p=0.9),
+        logits_processors=[penalty],
+    )
     counts = np.zeros_like(joint, dtype=int)
     for tokens in result.token_ids:
         counts[tokens[0], tokens[1]] += 1
     assert_same_distribution(counts, joint)
     sampler = make_sampler(temp=0.7, top_p=0.9)
-    drafted = [r.from_draft for _ in range(40) for r in stream_generate(*pair, prompt, max_tokens=2, draft=draft, sampler=sampler)]
+    drafted = [
+        r.from_draft
+        for _ in range(40)
+        for r in stream_generate(*pair, prompt, max_tokens=2, draft=draft, sampler=sampler)
+    ]
     assert any(drafted)
 
 
-@pytest.mark.parametrize("argument, message", [
-    (dict(kv_bits=4), "kv_bits is not supported"),
-    (dict(max_kv_size=64), "max_kv_size is not supported"),
-    (dict(temperature=0.5), "unknown argument: temperature"),
-    (dict(prompt_cache=[None]), "make_prompt_cache(model)"),
-])
+@pytest.mark.parametrize(
+    "argument, message",
+    [
+        (dict(kv_bits=4), "kv_bits is not supported"),
+        (dict(max_kv_size=64), "max_kv_size is not supported"),
+        (dict(temperature=0.5), "unknown argument: temperature"),
+        (dict(prompt_cache=[None]), "make_prompt_cache(model)"),
+    ],
+)
 def test_what_redrafter_does_not_do_is_one_clear_error(pair, argument, message):
     with pytest.raises(UserError, match=message.replace("(", r"\(").replace(")", r"\)")):
         next(stream_generate(*pair, [4, 5, 6], max_tokens=4, **argument))

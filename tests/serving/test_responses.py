@@ -15,19 +15,37 @@ from openai.types.responses import Response  # noqa: E402
 
 KEY = "test-key-123"
 BODY_LIMIT = 64 * 1024
-TOOLS = [{"type": "function", "name": "get_weather", "description": "The weather in a city.",
-          "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    }
+]
 CHAT_TOOLS = [{"type": "function", "function": {k: v for k, v in TOOLS[0].items() if k != "type"}}]
 ASK = [{"role": "user", "content": "Weather in Paris?"}]
-CALL = {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}
+CALL = {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'}
 ANSWERED = ASK + [CALL, {"type": "function_call_output", "call_id": "call_1", "output": "sunny"}]
 
 
 @pytest.fixture(scope="module")
 def server(tool_model):
     """Plain decoding (one token a step): a streamed answer comes in many deltas."""
-    process, url, _ = start_server("--model", tool_model, "--drafter", "none", "--max-tokens", 32, "--max-nodes", 0,
-                                   "--api-key", KEY, "--max-body-bytes", BODY_LIMIT)
+    process, url, _ = start_server(
+        "--model",
+        tool_model,
+        "--drafter",
+        "none",
+        "--max-tokens",
+        32,
+        "--max-nodes",
+        0,
+        "--api-key",
+        KEY,
+        "--max-body-bytes",
+        BODY_LIMIT,
+    )
     yield url
     stop_server(process)
 
@@ -53,13 +71,26 @@ def test_a_text_answer_equals_the_chat_routes_with_usage(server, client):
     assert response.output_text == chat.choices[0].message.content and "tool_call" in response.output_text
     assert response.id.startswith("resp_") and response.object == "response" and response.status == "completed"
     (message,) = response.output
-    assert message.type == "message" and message.role == "assistant" and message.status == "completed" and message.id.startswith("msg_")
+    assert (
+        message.type == "message"
+        and message.role == "assistant"
+        and message.status == "completed"
+        and message.id.startswith("msg_")
+    )
     assert [(c.type, c.annotations) for c in message.content] == [("output_text", [])]
     usage = response.usage
     assert (usage.input_tokens, usage.output_tokens) == (chat.usage.prompt_tokens, chat.usage.completion_tokens)
-    assert usage.total_tokens == usage.input_tokens + usage.output_tokens and usage.output_tokens_details.reasoning_tokens == 0
+    assert (
+        usage.total_tokens == usage.input_tokens + usage.output_tokens
+        and usage.output_tokens_details.reasoning_tokens == 0
+    )
     assert usage.input_tokens_details.cached_tokens >= 0
-    assert response.store is False and response.previous_response_id is None and response.temperature == 0 and response.tools == []
+    assert (
+        response.store is False
+        and response.previous_response_id is None
+        and response.temperature == 0
+        and response.tools == []
+    )
     assert response.model_extra["redrafter"]["steps"] >= 1
     # A plain string is one user message; the body passes the SDK's own model, checked.
     assert client.responses.create(model="m", input=ASK[0]["content"]).output_text == response.output_text
@@ -71,15 +102,25 @@ def test_instructions_are_a_system_message_first(client):
     chat = client.chat.completions.create(model="m", messages=system + ASK)
     response = client.responses.create(model="m", instructions="Be brief.", input=ASK)
     assert response.instructions == "Be brief." and response.output_text == chat.choices[0].message.content
-    assert response.usage.input_tokens == chat.usage.prompt_tokens > client.responses.create(model="m", input=ASK).usage.input_tokens
-    developer = client.responses.create(model="m", input=[{"role": "developer", "content": [{"type": "input_text", "text": "Be brief."}]}] + ASK)
+    assert (
+        response.usage.input_tokens
+        == chat.usage.prompt_tokens
+        > client.responses.create(model="m", input=ASK).usage.input_tokens
+    )
+    developer = client.responses.create(
+        model="m", input=[{"role": "developer", "content": [{"type": "input_text", "text": "Be brief."}]}] + ASK
+    )
     assert developer.usage.input_tokens == response.usage.input_tokens
 
 
 def test_max_output_tokens_cuts_the_answer_as_incomplete(client):
     response = client.responses.create(model="m", input=ASK, max_output_tokens=3)
     assert response.status == "incomplete" and response.incomplete_details.reason == "max_output_tokens"
-    assert response.usage.output_tokens == 3 and response.max_output_tokens == 3 and response.output[0].status == "incomplete"
+    assert (
+        response.usage.output_tokens == 3
+        and response.max_output_tokens == 3
+        and response.output[0].status == "incomplete"
+    )
     events = events_of(client, input=ASK, max_output_tokens=3)
     assert events[-1].type == "response.incomplete" and events[-1].response.usage.output_tokens == 3
     assert events[-1].response.output_text == response.output_text
@@ -91,9 +132,11 @@ def test_a_streamed_answer_comes_in_the_responses_event_order(client):
     kinds = [e.type for e in events]
     deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
     assert len(deltas) > 1
-    assert kinds == (["response.created", "response.in_progress", "response.output_item.added", "response.content_part.added"]
-                     + ["response.output_text.delta"] * len(deltas)
-                     + ["response.output_text.done", "response.content_part.done", "response.output_item.done", "response.completed"])
+    assert kinds == (
+        ["response.created", "response.in_progress", "response.output_item.added", "response.content_part.added"]
+        + ["response.output_text.delta"] * len(deltas)
+        + ["response.output_text.done", "response.content_part.done", "response.output_item.done", "response.completed"]
+    )
     assert [e.sequence_number for e in events] == list(range(len(events)))
     assert events[0].response.status == "in_progress" and events[0].response.output == []
     done = events[-1].response
@@ -108,41 +151,80 @@ def test_every_streamed_event_passes_the_sdks_own_models_checked(server):
     from openai.types.responses import ResponseStreamEvent
     from pydantic import TypeAdapter
 
-    for extra in ({"max_output_tokens": 3, "include": ["message.output_text.logprobs"], "top_logprobs": 1}, {"tools": TOOLS}):
+    for extra in (
+        {"max_output_tokens": 3, "include": ["message.output_text.logprobs"], "top_logprobs": 1},
+        {"tools": TOOLS},
+    ):
         body = {"model": "m", "input": ASK, "stream": True, **extra}
-        with httpx.stream("POST", server + "/v1/responses", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as response:
+        with httpx.stream(
+            "POST", server + "/v1/responses", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=60
+        ) as response:
             lines = [line for line in response.iter_lines() if line]
         names = [line[7:] for line in lines if line.startswith("event: ")]
-        events = [TypeAdapter(ResponseStreamEvent).validate_json(line[6:]) for line in lines if line.startswith("data: ")]
+        events = [
+            TypeAdapter(ResponseStreamEvent).validate_json(line[6:]) for line in lines if line.startswith("data: ")
+        ]
         assert names == [e.type for e in events] and names[-1] in ("response.incomplete", "response.completed")
 
 
 def test_a_function_call_round_trip(client):
     first = client.responses.create(model="m", input=ASK, tools=TOOLS)
     (call,) = first.output
-    assert call.type == "function_call" and call.name == "get_weather" and json.loads(call.arguments) == {"city": "Paris"}
-    assert call.call_id.startswith("call_") and call.id.startswith("fc_") and call.status == "completed" and first.status == "completed"
+    assert (
+        call.type == "function_call" and call.name == "get_weather" and json.loads(call.arguments) == {"city": "Paris"}
+    )
+    assert (
+        call.call_id.startswith("call_")
+        and call.id.startswith("fc_")
+        and call.status == "completed"
+        and first.status == "completed"
+    )
     assert [t.name for t in first.tools] == ["get_weather"] and first.tool_choice == "auto"
-    history = ASK + [call.model_dump(exclude_none=True), {"type": "function_call_output", "call_id": call.call_id, "output": "sunny, 21 C"}]
+    history = ASK + [
+        call.model_dump(exclude_none=True),
+        {"type": "function_call_output", "call_id": call.call_id, "output": "sunny, 21 C"},
+    ]
     second = client.responses.create(model="m", input=history, tools=TOOLS)
     assert second.output_text == "It is sunny." and [item.type for item in second.output] == ["message"]
     # The items render as the chat route renders the same conversation.
-    chat_history = ASK + [{"role": "assistant", "content": None, "tool_calls": [{"id": call.call_id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}]},
-                          {"role": "tool", "tool_call_id": call.call_id, "content": "sunny, 21 C"}]
+    chat_history = ASK + [
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": call.call_id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+            ],
+        },
+        {"role": "tool", "tool_call_id": call.call_id, "content": "sunny, 21 C"},
+    ]
     chat = client.chat.completions.create(model="m", messages=chat_history, tools=CHAT_TOOLS)
-    assert chat.usage.prompt_tokens == second.usage.input_tokens and chat.choices[0].message.content == second.output_text
+    assert (
+        chat.usage.prompt_tokens == second.usage.input_tokens and chat.choices[0].message.content == second.output_text
+    )
 
 
 def test_a_streamed_function_call_sends_its_arguments_as_deltas(client):
     events = events_of(client, input=ASK, tools=TOOLS)
     kinds = [e.type for e in events]
     deltas = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
-    assert kinds == (["response.created", "response.in_progress", "response.output_item.added"]
-                     + ["response.function_call_arguments.delta"] * len(deltas)
-                     + ["response.function_call_arguments.done", "response.output_item.done", "response.completed"])
+    assert kinds == (
+        ["response.created", "response.in_progress", "response.output_item.added"]
+        + ["response.function_call_arguments.delta"] * len(deltas)
+        + ["response.function_call_arguments.done", "response.output_item.done", "response.completed"]
+    )
     added, done = events[2].item, events[-2].item
-    assert added.type == "function_call" and added.name == "get_weather" and added.arguments == "" and added.status == "in_progress"
-    assert json.loads("".join(deltas)) == json.loads(events[-3].arguments) == json.loads(done.arguments) == {"city": "Paris"}
+    assert (
+        added.type == "function_call"
+        and added.name == "get_weather"
+        and added.arguments == ""
+        and added.status == "in_progress"
+    )
+    assert (
+        json.loads("".join(deltas))
+        == json.loads(events[-3].arguments)
+        == json.loads(done.arguments)
+        == {"city": "Paris"}
+    )
     assert done.call_id == added.call_id and [item.call_id for item in events[-1].response.output] == [done.call_id]
 
 
@@ -160,7 +242,9 @@ def test_tool_choice_none_required_and_named(client):
 def test_logprobs_come_with_the_text_when_included(client):
     response = client.responses.create(model="m", input=ASK, include=["message.output_text.logprobs"], top_logprobs=2)
     logprobs = response.output[0].content[0].logprobs
-    assert len(logprobs) == response.usage.output_tokens and all(len(p.top_logprobs) == 2 and p.logprob <= 0 for p in logprobs)
+    assert len(logprobs) == response.usage.output_tokens and all(
+        len(p.top_logprobs) == 2 and p.logprob <= 0 for p in logprobs
+    )
     assert "".join(p.token for p in logprobs).replace(" ", "") == response.output_text.replace(" ", "")
     assert client.responses.create(model="m", input=ASK).output[0].content[0].logprobs == []
 
@@ -178,16 +262,34 @@ BAD_REQUESTS = [
     (b"{not json", 400, "not valid JSON", None),
     ({"model": "m"}, 400, "'input'", "input"),
     ({"input": []}, 400, "'input'", "input"),
-    ({"input": [{"type": "bogus"}]}, 400, "\"bogus\", which this server does not take", "input"),
+    ({"input": [{"type": "bogus"}]}, 400, '"bogus", which this server does not take', "input"),
     ({"input": [{"role": "tool", "content": "w"}]}, 400, "'role'", "input"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, 400, "text only", "input"),
     ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, 400, "'input[0].call_id'", "input"),
     ({"input": [{"type": "function_call_output", "call_id": "c"}]}, 400, "'output'", "input"),
-    ({"input": [{"type": "custom_tool_call", "call_id": "c", "name": "f", "input": "x", "namespace": 5}]}, 400, "'input[0].namespace'", "input"),
-    ({"input": "w", "tools": [{"type": "function", "name": "f"}], "tool_choice": {"type": "allowed_tools", "mode": "auto", "tools": "f"}},
-     400, "'tool_choice.tools'", "tool_choice"),
+    (
+        {"input": [{"type": "custom_tool_call", "call_id": "c", "name": "f", "input": "x", "namespace": 5}]},
+        400,
+        "'input[0].namespace'",
+        "input",
+    ),
+    (
+        {
+            "input": "w",
+            "tools": [{"type": "function", "name": "f"}],
+            "tool_choice": {"type": "allowed_tools", "mode": "auto", "tools": "f"},
+        },
+        400,
+        "'tool_choice.tools'",
+        "tool_choice",
+    ),
     ({"input": "w", "instructions": 5}, 400, "'instructions'", "instructions"),
-    ({"input": "w", "tools": [{"type": "namespace", "name": "n", "tools": "f"}]}, 400, "'tools[0]' must be {\"type\": \"namespace\"", "tools"),
+    (
+        {"input": "w", "tools": [{"type": "namespace", "name": "n", "tools": "f"}]},
+        400,
+        '\'tools[0]\' must be {"type": "namespace"',
+        "tools",
+    ),
     ({"input": "w", "tools": CHAT_TOOLS}, 400, "flat", "tools"),
     ({"input": "w", "tool_choice": {"type": "web_search_preview"}}, 400, "'tool_choice'", "tool_choice"),
     ({"input": "w", "text": {"format": {"type": "json_schema"}}}, 400, "plain text", "text"),
@@ -217,7 +319,6 @@ def test_context_key_and_queue_errors_in_the_openai_shape(server):
     assert busy["error"]["type"] == "rate_limit_error"
 
 
-
 def test_an_engine_failure_mid_stream_ends_with_error_and_response_failed():
     """In process, an answer that fails after some text: every event parses
     as the SDK's, and the stream ends with error and response.failed."""
@@ -233,8 +334,16 @@ def test_an_engine_failure_mid_stream_ends_with_error_and_response_failed():
     from redrafter_mlx.serving.responses_api import ResponsesAnswer
     from redrafter_mlx.serving.scheduler import Request
 
-    echo = {"instructions": None, "max_output_tokens": None, "metadata": {}, "parallel_tool_calls": True, "tool_choice": "auto",
-            "tools": [], "top_logprobs": None, "names": {}}
+    echo = {
+        "instructions": None,
+        "max_output_tokens": None,
+        "metadata": {},
+        "parallel_tool_calls": True,
+        "tool_choice": "auto",
+        "tools": [],
+        "top_logprobs": None,
+        "names": {},
+    }
 
     class Failing:
         tokenizer = SimpleNamespace(decode=lambda ids: "w")
@@ -255,10 +364,18 @@ def test_an_engine_failure_mid_stream_ends_with_error_and_response_failed():
 
     chunks = asyncio.run(collect())
     assert ": keep-alive\n\n" in chunks
-    events = [TypeAdapter(ResponseStreamEvent).validate_json(c.split("data: ", 1)[1]) for c in chunks if c.startswith("event: ")]
+    events = [
+        TypeAdapter(ResponseStreamEvent).validate_json(c.split("data: ", 1)[1])
+        for c in chunks
+        if c.startswith("event: ")
+    ]
     assert [e.type for e in events][-3:] == ["response.output_text.delta", "error", "response.failed"]
     failed = events[-1].response
-    assert failed.status == "failed" and failed.error.code == "server_error" and failed.error.message == "the engine failed"
+    assert (
+        failed.status == "failed"
+        and failed.error.code == "server_error"
+        and failed.error.message == "the engine failed"
+    )
     assert failed.output[0].content[0].text == "It is" and failed.usage.output_tokens == 2
 
 
@@ -266,10 +383,18 @@ def test_a_named_or_allowed_function_is_the_flat_one_first_then_a_namespaces():
     from redrafter_mlx.serving.responses_api import allowed_tools, shown_name, tool_list
 
     function = {"type": "function", "parameters": {"type": "object", "properties": {}}}
-    tools, names, _ = tool_list([{"type": "namespace", "name": "fs", "tools": [dict(function, name="read"), dict(function, name="list")]},
-                                 dict(function, name="read"), dict(function, name="spawn")])
+    tools, names, _ = tool_list(
+        [
+            {"type": "namespace", "name": "fs", "tools": [dict(function, name="read"), dict(function, name="list")]},
+            dict(function, name="read"),
+            dict(function, name="spawn"),
+        ]
+    )
     assert shown_name("read", names) == "read" and shown_name("list", names) == "fs.list"
-    listed = lambda *entries: [t["function"]["name"] for t in allowed_tools({"type": "allowed_tools", "mode": "auto", "tools": list(entries)}, tools, names)]  # noqa: E731
+    listed = lambda *entries: [
+        t["function"]["name"]
+        for t in allowed_tools({"type": "allowed_tools", "mode": "auto", "tools": list(entries)}, tools, names)
+    ]  # noqa: E731
     assert listed({"type": "function", "name": "read", "namespace": "fs"}) == ["fs.read"]
     assert listed({"type": "function", "name": "spawn"}, {"type": "web_search"}) == ["spawn"]
     assert listed({"type": "namespace", "name": "fs"}) == ["fs.read", "fs.list"]

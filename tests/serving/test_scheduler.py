@@ -104,7 +104,9 @@ def test_a_long_prompt_is_fed_a_chunk_at_a_time_between_steps_and_a_client_that_
 
     tokens, long_tokens = asyncio.run(both())
     assert (tokens, long_tokens) == expected
-    assert fed[1:] == [299 - 64 * i for i in range(5)]  # after the short prompt's; the last token comes with the first answer
+    assert fed[1:] == [
+        299 - 64 * i for i in range(5)
+    ]  # after the short prompt's; the last token comes with the first answer
     chunks = [i for i, what in enumerate(timeline) if what == "chunk"][1:]
     assert all("step" in timeline[a:b] for a, b in zip(chunks, chunks[1:]))  # the running request stepped between them
     fed.clear()
@@ -125,7 +127,7 @@ def test_a_request_that_fails_ends_with_an_error_and_the_engine_goes_on(redrafte
     scheduler = Scheduler(redrafter, (), DraftSettings(), max_batch=4)
     scheduler.start()
     too_long = Request([1] * redrafter.base.max_context, 4)  # the server refuses these; the engine must survive them
-    failed, = serve(scheduler, [too_long])
+    (failed,) = serve(scheduler, [too_long])
     assert "does not fit" in failed
     assert serve(scheduler, [Request(PROMPTS[2], 6)]) == [alone(redrafter, PROMPTS[2], 6)]
     scheduler.stop()
@@ -162,8 +164,14 @@ def test_a_process_that_stops_the_engine_and_exits_at_once_exits_cleanly():
     process ("terminate called without an active exception") about one
     exit in six on a 2-core CPU. Ten exits make a race like it show."""
     for _ in range(10):
-        done = subprocess.run([sys.executable, "-c", STOP_AND_EXIT], cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT),
-                              capture_output=True, text=True, timeout=120)
+        done = subprocess.run(
+            [sys.executable, "-c", STOP_AND_EXIT],
+            cwd=ROOT,
+            env=dict(os.environ, PYTHONPATH=ROOT),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert done.returncode == 0, done.stderr[-2000:]
 
 

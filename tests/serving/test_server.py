@@ -25,8 +25,18 @@ def server(chat_model, tmp_path_factory):
     model, drafter = chat_model[:2]
     log = tmp_path_factory.mktemp("server") / "prompts.jsonl"
     process, url, port = start_server(
-        "--model", model, "--drafter", drafter, "--max-batch", MAX_BATCH, "--max-tokens", 16,
-        "--max-body-bytes", BODY_LIMIT, "--log-prompts", log,
+        "--model",
+        model,
+        "--drafter",
+        drafter,
+        "--max-batch",
+        MAX_BATCH,
+        "--max-tokens",
+        16,
+        "--max-body-bytes",
+        BODY_LIMIT,
+        "--log-prompts",
+        log,
     )
     yield url, port, model, str(log)
     stop_server(process)
@@ -53,7 +63,9 @@ def reference(server):
 
     def greedy(prompt_ids, max_tokens):
         tokens = []
-        for (out,) in autoregressive_steps(base, [prompt_ids], max_tokens=max_tokens, eos_token_ids=tokenizer.eos_token_ids):
+        for (out,) in autoregressive_steps(
+            base, [prompt_ids], max_tokens=max_tokens, eos_token_ids=tokenizer.eos_token_ids
+        ):
             tokens += out.tokens
         return tokens
 
@@ -67,11 +79,15 @@ def reference(server):
 
 
 def chat(client, text, **kwargs):
-    return client.chat.completions.create(model="anything", messages=[{"role": "user", "content": text}], temperature=0, **kwargs)
+    return client.chat.completions.create(
+        model="anything", messages=[{"role": "user", "content": text}], temperature=0, **kwargs
+    )
 
 
 def streamed_chat(client, text, **kwargs):
-    stream = client.chat.completions.create(model="anything", messages=[{"role": "user", "content": text}], temperature=0, stream=True, **kwargs)
+    stream = client.chat.completions.create(
+        model="anything", messages=[{"role": "user", "content": text}], temperature=0, stream=True, **kwargs
+    )
     return list(stream)
 
 
@@ -81,12 +97,23 @@ def test_chat_completion_equals_plain_greedy_decoding_with_usage(client, referen
     choice = response.choices[0]
     assert choice.message.role == "assistant" and choice.message.content == text
     assert choice.finish_reason == ("length" if len(tokens) == 12 else "stop")
-    assert (response.usage.prompt_tokens, response.usage.completion_tokens, response.usage.total_tokens) == (len(ids), len(tokens), len(ids) + len(tokens))
+    assert (response.usage.prompt_tokens, response.usage.completion_tokens, response.usage.total_tokens) == (
+        len(ids),
+        len(tokens),
+        len(ids) + len(tokens),
+    )
     assert response.object == "chat.completion" and response.id.startswith("chatcmpl-")
     figures = response.model_extra["redrafter"]
     assert figures["steps"] >= 1 and 1 <= figures["tokens_per_step"] and figures["nodes_per_step"] >= 1
     # max_completion_tokens is the newer name of max_tokens.
-    assert client.chat.completions.create(model="x", messages=[{"role": "user", "content": QUESTIONS[0]}], max_completion_tokens=12).choices[0].message.content == text
+    assert (
+        client.chat.completions.create(
+            model="x", messages=[{"role": "user", "content": QUESTIONS[0]}], max_completion_tokens=12
+        )
+        .choices[0]
+        .message.content
+        == text
+    )
 
 
 def test_streamed_chat_gives_the_same_text_then_usage(client, reference):
@@ -118,7 +145,11 @@ def test_stop_strings_cut_exactly_also_across_tokens_while_streaming(client, ref
     expected = text[: text.find(stop)]
     for kwargs in ({}, {"stream": True}):
         if kwargs:
-            got = "".join(c.choices[0].delta.content or "" for c in streamed_chat(client, QUESTIONS[0], max_tokens=16, stop=[stop, "never"]) if c.choices)
+            got = "".join(
+                c.choices[0].delta.content or ""
+                for c in streamed_chat(client, QUESTIONS[0], max_tokens=16, stop=[stop, "never"])
+                if c.choices
+            )
         else:
             response = chat(client, QUESTIONS[0], max_tokens=16, stop=stop)
             got = response.choices[0].message.content
@@ -131,9 +162,20 @@ def test_models_health_and_an_unknown_model_name_loads_nothing(server, client):
     assert [m.id for m in models.data] == [os.path.basename(server[2])]
     health = httpx.get(server[0] + "/health").json()
     assert health["status"] == "ok"
-    preflight = httpx.options(server[0] + "/v1/chat/completions", headers={"Origin": "http://localhost:3000", "Access-Control-Request-Method": "POST"})
-    assert preflight.status_code == 200 and preflight.headers["access-control-allow-origin"] in ("*", "http://localhost:3000")
-    response = client.chat.completions.create(model="no/such-model", messages=[{"role": "user", "content": "w17"}], max_tokens=2, extra_body={"unknown_field": 3})
+    preflight = httpx.options(
+        server[0] + "/v1/chat/completions",
+        headers={"Origin": "http://localhost:3000", "Access-Control-Request-Method": "POST"},
+    )
+    assert preflight.status_code == 200 and preflight.headers["access-control-allow-origin"] in (
+        "*",
+        "http://localhost:3000",
+    )
+    response = client.chat.completions.create(
+        model="no/such-model",
+        messages=[{"role": "user", "content": "w17"}],
+        max_tokens=2,
+        extra_body={"unknown_field": 3},
+    )
     assert response.usage.completion_tokens == 2
 
 
@@ -142,10 +184,20 @@ def test_sampling_fields_reach_the_sampler(client, reference):
     assert len(word) == 1
     forced = chat(client, QUESTIONS[0], max_tokens=5, logit_bias={str(word[0]): 100})
     assert forced.choices[0].message.content == " ".join(["w42"] * 5)
-    penalised = chat(client, QUESTIONS[0], max_tokens=5, logit_bias={str(word[0]): 100}, extra_body={"repetition_penalty": 1e6})
+    penalised = chat(
+        client, QUESTIONS[0], max_tokens=5, logit_bias={str(word[0]): 100}, extra_body={"repetition_penalty": 1e6}
+    )
     assert penalised.choices[0].message.content.split(" ")[0] == "w42"
     assert penalised.choices[0].message.content.split(" ")[1] != "w42"  # penalised once it has appeared
-    sampled = client.chat.completions.create(model="x", messages=[{"role": "user", "content": QUESTIONS[0]}], max_tokens=6, temperature=0.8, top_p=0.9, seed=3, extra_body={"min_p": 0.05})
+    sampled = client.chat.completions.create(
+        model="x",
+        messages=[{"role": "user", "content": QUESTIONS[0]}],
+        max_tokens=6,
+        temperature=0.8,
+        top_p=0.9,
+        seed=3,
+        extra_body={"min_p": 0.05},
+    )
     assert sampled.usage.completion_tokens == 6
 
 
@@ -161,7 +213,18 @@ def test_concurrent_clients_get_what_each_would_get_alone(client, reference):
 
 def test_seeded_sampling_is_reproducible_beside_other_requests(server, client):
     def sample(seed):
-        return client.chat.completions.create(model="x", messages=[{"role": "user", "content": QUESTIONS[0]}], max_tokens=12, temperature=1.0, seed=seed, extra_body={"top_k": 8}).choices[0].message.content
+        return (
+            client.chat.completions.create(
+                model="x",
+                messages=[{"role": "user", "content": QUESTIONS[0]}],
+                max_tokens=12,
+                temperature=1.0,
+                seed=seed,
+                extra_body={"top_k": 8},
+            )
+            .choices[0]
+            .message.content
+        )
 
     first = sample(7)
     with ThreadPoolExecutor(4) as pool:
@@ -169,7 +232,24 @@ def test_seeded_sampling_is_reproducible_beside_other_requests(server, client):
     assert beside[0] == beside[2] == first
     assert len({first, beside[1], beside[3]}) > 1
     # The same as `generate --seed` gives for that prompt.
-    result = run_cli("generate", "--model", server[2], "--drafter", "none", "--prompt", QUESTIONS[0], "--max-tokens", 12, "--temp", 1.0, "--top-k", 8, "--seed", 7, "--json")
+    result = run_cli(
+        "generate",
+        "--model",
+        server[2],
+        "--drafter",
+        "none",
+        "--prompt",
+        QUESTIONS[0],
+        "--max-tokens",
+        12,
+        "--temp",
+        1.0,
+        "--top-k",
+        8,
+        "--seed",
+        7,
+        "--json",
+    )
     assert json.loads(result.stdout)["text"] == first
 
 
@@ -211,7 +291,11 @@ def test_a_bounded_load_completes_every_request(server, client):
         if i % 2:
             chunks = streamed_chat(client, question, max_tokens=8 + i % 5, stream_options={"include_usage": True})
             text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-            return text, chunks[-1].usage.completion_tokens, [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+            return (
+                text,
+                chunks[-1].usage.completion_tokens,
+                [c.choices[0].finish_reason for c in chunks if c.choices][-1],
+            )
         response = chat(client, question, max_tokens=8 + i % 5)
         return response.choices[0].message.content, response.usage.completion_tokens, response.choices[0].finish_reason
 
@@ -288,35 +372,61 @@ def test_logprobs_whole_and_streamed_in_both_openai_forms(client, reference):
     import math
 
     ids, tokens, _ = reference(QUESTIONS[0])
-    chat = client.chat.completions.create(model="m", messages=[{"role": "user", "content": QUESTIONS[0]}], logprobs=True, top_logprobs=3)
+    chat = client.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": QUESTIONS[0]}], logprobs=True, top_logprobs=3
+    )
     content = chat.choices[0].logprobs.content
     assert len(content) == len(tokens) and all(len(c.top_logprobs) == 3 for c in content)
     for entry in content:  # greedy: the chosen token is the most likely, and its log-probability leads the list
         assert entry.logprob == max(t.logprob for t in entry.top_logprobs) and entry.logprob <= 0
         assert entry.token == entry.top_logprobs[0].token and entry.bytes == list(entry.token.encode())
     assert sum(math.exp(t.logprob) for t in content[0].top_logprobs) <= 1 + 1e-5
-    streamed = [c for chunk in client.chat.completions.create(model="m", messages=[{"role": "user", "content": QUESTIONS[0]}], logprobs=True, top_logprobs=3, stream=True)
-                if chunk.choices and chunk.choices[0].logprobs for c in chunk.choices[0].logprobs.content]
+    streamed = [
+        c
+        for chunk in client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": QUESTIONS[0]}], logprobs=True, top_logprobs=3, stream=True
+        )
+        if chunk.choices and chunk.choices[0].logprobs
+        for c in chunk.choices[0].logprobs.content
+    ]
     assert [(c.token, round(c.logprob, 4)) for c in streamed] == [(c.token, round(c.logprob, 4)) for c in content]
     text = client.completions.create(model="m", prompt=QUESTIONS[0], max_tokens=6, logprobs=2)
     legacy = text.choices[0].logprobs
-    assert len(legacy.tokens) == len(legacy.token_logprobs) == len(legacy.top_logprobs) == 6 and all(len(t) <= 2 for t in legacy.top_logprobs)
+    assert len(legacy.tokens) == len(legacy.token_logprobs) == len(legacy.top_logprobs) == 6 and all(
+        len(t) <= 2 for t in legacy.top_logprobs
+    )
 
 
 def test_penalties_xtc_and_chat_template_arguments_are_taken(client, reference):
     ids, tokens, text = reference(QUESTIONS[1])
     plain = client.chat.completions.create(model="m", messages=[{"role": "user", "content": QUESTIONS[1]}])
-    penalised = client.chat.completions.create(model="m", messages=[{"role": "user", "content": QUESTIONS[1]}],
-                                               extra_body={"presence_penalty": 30.0, "frequency_penalty": 5.0})
+    penalised = client.chat.completions.create(
+        model="m",
+        messages=[{"role": "user", "content": QUESTIONS[1]}],
+        extra_body={"presence_penalty": 30.0, "frequency_penalty": 5.0},
+    )
     assert plain.choices[0].message.content == text
-    assert len(set(penalised.choices[0].message.content.split())) == len(penalised.choices[0].message.content.split())  # no word twice
-    xtc = client.chat.completions.create(model="m", messages=[{"role": "user", "content": QUESTIONS[1]}], temperature=1.0, seed=3,
-                                         extra_body={"xtc_probability": 1.0, "xtc_threshold": 0.05})
+    assert len(set(penalised.choices[0].message.content.split())) == len(
+        penalised.choices[0].message.content.split()
+    )  # no word twice
+    xtc = client.chat.completions.create(
+        model="m",
+        messages=[{"role": "user", "content": QUESTIONS[1]}],
+        temperature=1.0,
+        seed=3,
+        extra_body={"xtc_probability": 1.0, "xtc_threshold": 0.05},
+    )
     assert xtc.choices[0].finish_reason in ("stop", "length")
-    extra = client.chat.completions.create(model="m", messages=[{"role": "user", "content": QUESTIONS[1]}], extra_body={"chat_template_kwargs": {"unused": True}})
+    extra = client.chat.completions.create(
+        model="m",
+        messages=[{"role": "user", "content": QUESTIONS[1]}],
+        extra_body={"chat_template_kwargs": {"unused": True}},
+    )
     assert extra.usage.prompt_tokens == plain.usage.prompt_tokens
     with pytest.raises(openai.BadRequestError, match="chat_template_kwargs"):
-        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], extra_body={"chat_template_kwargs": [1]})
+        client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "hi"}], extra_body={"chat_template_kwargs": [1]}
+        )
 
 
 # A server with short bounds of its own (`serve --read-timeout`,
@@ -331,8 +441,20 @@ HEADER_LIMIT = 4096
 def limited(chat_model):
     model, drafter = chat_model[:2]
     process, url, port = start_server(
-        "--model", model, "--drafter", drafter, "--max-batch", 2, "--max-tokens", 4,
-        "--read-timeout", READ_TIMEOUT, "--max-connections", CONNECTIONS, "--max-header-bytes", HEADER_LIMIT,
+        "--model",
+        model,
+        "--drafter",
+        drafter,
+        "--max-batch",
+        2,
+        "--max-tokens",
+        4,
+        "--read-timeout",
+        READ_TIMEOUT,
+        "--max-connections",
+        CONNECTIONS,
+        "--max-header-bytes",
+        HEADER_LIMIT,
     )
     yield url, port
     stop_server(process)
@@ -361,7 +483,9 @@ def closed_after(sock: socket.socket, tic: float) -> float:
 
 
 def gauge(url: str, name: str) -> float:
-    return float(re.search(rf"^redrafter_{name}(?:{{[^}}]*}})? (\S+)$", httpx.get(url + "/metrics").text, re.M).group(1))
+    return float(
+        re.search(rf"^redrafter_{name}(?:{{[^}}]*}})? (\S+)$", httpx.get(url + "/metrics").text, re.M).group(1)
+    )
 
 
 def settled(url: str) -> None:
@@ -382,7 +506,9 @@ def test_a_body_sent_a_byte_at_a_time_gets_408_within_the_read_timeout_holding_n
 
     def trickle(path):
         with connect(port) as sock:
-            sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode())
+            sock.sendall(
+                f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+            )
             tic, sent, engine = time.monotonic(), 0, set()
             while not select.select([sock], [], [], 0.1)[0]:  # a byte every 0.1 s until the server answers
                 assert sent < len(body) - 1, "the whole body but its last byte went, and no answer came"
@@ -397,11 +523,20 @@ def test_a_body_sent_a_byte_at_a_time_gets_408_within_the_read_timeout_holding_n
     with ThreadPoolExecutor(2) as pool:
         (status, headers, answer, seconds, engine, closing), anthropic = pool.map(trickle, [CHAT, "/v1/messages"])
     assert status == 408 and READ_TIMEOUT - 0.05 <= seconds <= READ_TIMEOUT + 1.5
-    assert answer["error"]["type"] == "invalid_request_error" and f"did not arrive within {READ_TIMEOUT:g} seconds" in answer["error"]["message"]
+    assert (
+        answer["error"]["type"] == "invalid_request_error"
+        and f"did not arrive within {READ_TIMEOUT:g} seconds" in answer["error"]["message"]
+    )
     assert headers["connection"] == "close" and closing < 1.0
     assert engine == {(0, 0)}
-    assert anthropic[0] == 408 and anthropic[2]["type"] == "error" and anthropic[2]["error"]["type"] == "invalid_request_error"
-    assert httpx.post(url + CHAT, json={"messages": MESSAGES, "max_tokens": 2}).json()["usage"]["completion_tokens"] == 2
+    assert (
+        anthropic[0] == 408
+        and anthropic[2]["type"] == "error"
+        and anthropic[2]["error"]["type"] == "invalid_request_error"
+    )
+    assert (
+        httpx.post(url + CHAT, json={"messages": MESSAGES, "max_tokens": 2}).json()["usage"]["completion_tokens"] == 2
+    )
 
 
 def test_a_connection_that_sends_no_request_or_its_headers_a_line_at_a_time_is_closed_at_the_read_timeout(limited):
@@ -439,7 +574,10 @@ def test_headers_over_the_bound_get_431_in_the_routes_dialect(server, limited):
     assert httpx.get(url + "/v1/models", headers={"X-Big": "a" * 40_000}).status_code == 200
     over = httpx.post(url + CHAT, json={"messages": MESSAGES, "max_tokens": 1}, headers={"X-Big": "a" * 70_000})
     assert over.status_code == 431 and over.headers["connection"] == "close"
-    assert over.json()["error"]["type"] == "invalid_request_error" and "request headers over 65536 bytes" in over.json()["error"]["message"]
+    assert (
+        over.json()["error"]["type"] == "invalid_request_error"
+        and "request headers over 65536 bytes" in over.json()["error"]["message"]
+    )
 
     with connect(limited[1]) as sock:
         sock.sendall(b"POST /v1/messages?beta=true HTTP/1.1\r\nHost: x\r\n")
@@ -466,7 +604,11 @@ def test_connections_beyond_the_bound_are_refused_with_503_and_closed_soon(limit
         beyond = [connect(port) for _ in range(3)]
         tic = time.monotonic()
         refused = httpx.post(url + CHAT, json={"messages": MESSAGES, "max_tokens": 1})
-        assert refused.status_code == 503 and refused.headers["retry-after"] == "1" and refused.headers["connection"] == "close"
+        assert (
+            refused.status_code == 503
+            and refused.headers["retry-after"] == "1"
+            and refused.headers["connection"] == "close"
+        )
         assert refused.json()["error"]["type"] == "service_unavailable"
         with ThreadPoolExecutor(3) as pool:
             seconds = list(pool.map(lambda s: closed_after(s, tic), beyond))
@@ -484,7 +626,10 @@ def test_template_syntax_in_messages_and_tools_is_text_and_never_run(client):
     "49" would be one)."""
 
     def prompt_tokens(content, description="w1 w2 w3"):
-        tool = {"type": "function", "function": {"name": "f", "description": description, "parameters": {"type": "object", "properties": {}}}}
+        tool = {
+            "type": "function",
+            "function": {"name": "f", "description": description, "parameters": {"type": "object", "properties": {}}},
+        }
         return chat(client, content, max_tokens=1, tools=[tool]).usage.prompt_tokens
 
     plain = prompt_tokens("w1 w2 w3 w4")
@@ -518,8 +663,19 @@ def test_chat_template_kwargs_that_would_reach_into_the_template_get_400(server,
         response = httpx.post(server[0] + path, json=body)
         assert response.status_code == 400, (path, response.text)
         error = response.json()["error"]
-        assert "chat_template_kwargs" in error["message"] and message in error["message"] and error["type"] == "invalid_request_error"
-    fine = httpx.post(server[0] + CHAT, json={"messages": MESSAGES, "max_tokens": 1, "chat_template_kwargs": {"enable_thinking": False, "effort": {"level": ["low"]}}})
+        assert (
+            "chat_template_kwargs" in error["message"]
+            and message in error["message"]
+            and error["type"] == "invalid_request_error"
+        )
+    fine = httpx.post(
+        server[0] + CHAT,
+        json={
+            "messages": MESSAGES,
+            "max_tokens": 1,
+            "chat_template_kwargs": {"enable_thinking": False, "effort": {"level": ["low"]}},
+        },
+    )
     assert fine.status_code == 200
 
 
@@ -571,7 +727,10 @@ def test_a_client_that_leaves_while_its_long_prompt_is_prefilled_frees_its_slot_
         prompt = " ".join(f"w{10 + i % 400}" for i in range(1000))
         body = json.dumps({"messages": [{"role": "user", "content": prompt}], "max_tokens": 4}).encode()
         with connect(port) as client_sock:
-            client_sock.sendall(f"POST {CHAT} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+            client_sock.sendall(
+                f"POST {CHAT} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+                + body
+            )
             deadline = time.monotonic() + 10
             while len(fed) < 2:
                 assert time.monotonic() < deadline

@@ -26,12 +26,30 @@ def test_the_cards_account_of_a_made_drafter_shows_what_really_ran():
     held-out file it was measured on."""
     from redrafter_mlx.training.card import _made_section
 
-    figures = {"speedup_median": 1.11, "speedup_min": 1.01, "speedup_max": 1.65, "tokens_per_step": 1.25, "nodes_per_step": 2.3}
-    made = {"command": "redrafter-mlx make-drafter --model M --output D", "kind": "text", "prompts": "openings.jsonl", "train_prompts": 10,
-            "held_out_prompts": 2, "runs": [{"name": "distill-t0.7", "temp": 0.7, "count": 4080, "max_tokens": 256, "responses": 2048},
-                                             {"name": "distill-t1", "temp": 1.0, "count": 100, "max_tokens": 256, "responses": 100}],
-            "note": "cut by hand", "held_out_file": "openings-heldout.jsonl", "stage_minutes": {"train": 32.0}, "cpu_hours": 0.85, "hours": 0.53,
-            "held_out_speed": {"temp 0.7": {"auto": figures}, "prompts": 12, "max_tokens": 256}}
+    figures = {
+        "speedup_median": 1.11,
+        "speedup_min": 1.01,
+        "speedup_max": 1.65,
+        "tokens_per_step": 1.25,
+        "nodes_per_step": 2.3,
+    }
+    made = {
+        "command": "redrafter-mlx make-drafter --model M --output D",
+        "kind": "text",
+        "prompts": "openings.jsonl",
+        "train_prompts": 10,
+        "held_out_prompts": 2,
+        "runs": [
+            {"name": "distill-t0.7", "temp": 0.7, "count": 4080, "max_tokens": 256, "responses": 2048},
+            {"name": "distill-t1", "temp": 1.0, "count": 100, "max_tokens": 256, "responses": 100},
+        ],
+        "note": "cut by hand",
+        "held_out_file": "openings-heldout.jsonl",
+        "stage_minutes": {"train": 32.0},
+        "cpu_hours": 0.85,
+        "hours": 0.53,
+        "held_out_speed": {"temp 0.7": {"auto": figures}, "prompts": 12, "max_tokens": 256},
+    }
     card = "\n".join(_made_section(made))
     assert "2,048 of 4,080 prompts at temperature 0.7" in card and "100 prompts at temperature 1" in card
     assert "| note | cut by hand |" in card

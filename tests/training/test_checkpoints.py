@@ -17,7 +17,14 @@ def setup(tmp_path_factory):
     return synthetic_setup(tmp_path_factory.mktemp("train") / "data")
 
 
-@pytest.mark.parametrize("head", [{}, dict(exit_dim=HIDDEN, warm_start=True, freeze_head_steps=8), dict(exit_dim=HIDDEN, warm_start=True, freeze_head_steps=18)])
+@pytest.mark.parametrize(
+    "head",
+    [
+        {},
+        dict(exit_dim=HIDDEN, warm_start=True, freeze_head_steps=8),
+        dict(exit_dim=HIDDEN, warm_start=True, freeze_head_steps=18),
+    ],
+)
 def test_resuming_from_a_checkpoint_continues_with_identical_loss(setup, tmp_path, head):
     """Also when the head was unfrozen before the checkpoint (8), and when
     it is unfrozen after the resume (18)."""
@@ -50,7 +57,9 @@ def test_a_resumed_run_trains_in_its_checkpoints_draft_vocabulary(setup, tmp_pat
     train(first, progress=False)
     config = first.config
     other = build_draft_vocab(sequences, 32)[::-1].copy()  # as if new data ranked the tokens in reverse
-    resumed = Trainer(base, build_positions(sequences, config.depth, config.eval_fraction), hidden, config, str(tmp_path / "a"), other)
+    resumed = Trainer(
+        base, build_positions(sequences, config.depth, config.eval_fraction), hidden, config, str(tmp_path / "a"), other
+    )
     assert resumed.load_checkpoint()
     ids = np.array(resumed.drafter.draft_token_ids)
     np.testing.assert_array_equal(ids, np.array(first.drafter.draft_token_ids))

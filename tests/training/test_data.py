@@ -44,7 +44,9 @@ def test_hidden_cache_matches_the_base_model(setup):
     for i in range(len(sequences)):
         sequence, p = sequences.sequence(i), int(sequences.prompt_lengths[i])
         direct = np.array(base.backbone(mx.array([sequence.tolist()]))[0])
-        np.testing.assert_allclose(hidden[row : row + len(sequence) - p], direct[p - 1 : len(sequence) - 1], atol=2e-2, rtol=1e-2)
+        np.testing.assert_allclose(
+            hidden[row : row + len(sequence) - p], direct[p - 1 : len(sequence) - 1], atol=2e-2, rtol=1e-2
+        )
         row += len(sequence) - p
     assert row == len(hidden)
 
@@ -57,7 +59,17 @@ def test_hidden_states_saved_by_distill_equal_recomputed_ones(tmp_path):
     prompts = ["abc", "hello world", "x", "a longer prompt here"]
     folder = DataFolder(str(tmp_path / "d"))
     tokenize = lambda text: [ord(c) % 256 for c in text]
-    distill(base, tokenize, prompts, folder, {}, response_stream(base, 12, SamplingSettings(), [7]), 3, shard_size=2, progress=False)
+    distill(
+        base,
+        tokenize,
+        prompts,
+        folder,
+        {},
+        response_stream(base, 12, SamplingSettings(), [7]),
+        3,
+        shard_size=2,
+        progress=False,
+    )
     assert len(list(folder.path.glob("hidden-*.npy"))) == 2
     sequences = folder.load()
     saved = np.array(compute_hidden_cache(base, folder, sequences, progress=False))

@@ -29,7 +29,18 @@ def generator(base, max_tokens=20, eos=(7,), sampling=SamplingSettings()):
 
 def run(base, folder, prompts=PROMPTS, batch_size=3, generate=None, samples=1):
     generate = generate or generator(base)
-    return distill(base, tokenize, prompts, DataFolder(folder), {"max_tokens": 20}, generate, batch_size, samples, shard_size=3, progress=False)
+    return distill(
+        base,
+        tokenize,
+        prompts,
+        DataFolder(folder),
+        {"max_tokens": 20},
+        generate,
+        batch_size,
+        samples,
+        shard_size=3,
+        progress=False,
+    )
 
 
 def interrupted_after(finished, generate):
@@ -172,7 +183,8 @@ def test_a_worker_leaves_when_its_parent_is_killed(tmp_path):
     import time
 
     script = tmp_path / "parent.py"
-    script.write_text(textwrap.dedent("""
+    script.write_text(
+        textwrap.dedent("""
         import multiprocessing, time
         from redrafter_mlx.training.distill import leave_with_parent
 
@@ -185,8 +197,11 @@ def test_a_worker_leaves_when_its_parent_is_killed(tmp_path):
             process.start()
             print(process.pid, flush=True)
             time.sleep(600)
-    """))
-    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=ROOT))
+    """)
+    )
+    parent = subprocess.Popen(
+        [sys.executable, str(script)], stdout=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=ROOT)
+    )
     child = int(parent.stdout.readline())
 
     def running(pid):

@@ -27,7 +27,9 @@ def test_make_drafter_makes_a_drafter_and_a_killed_run_resumes_to_the_same_weigh
     model = chat_model[0]
     prompts = prompts_file(tmp_path / "prompts.jsonl")
     env = {"REDRAFTER_MLX_CACHE": str(tmp_path / "cache")}
-    straight = run_cli("make-drafter", "--model", model, "--prompts", prompts, "--output", tmp_path / "a", *SIZES, env=env)
+    straight = run_cli(
+        "make-drafter", "--model", model, "--prompts", prompts, "--output", tmp_path / "a", *SIZES, env=env
+    )
     assert straight.returncode == 0, straight.stderr
     a = tmp_path / "a"
     assert sorted(p.name for p in a.iterdir()) == ["README.md", "config.json", "datastore.npy", "model.safetensors"]
@@ -41,12 +43,31 @@ def test_make_drafter_makes_a_drafter_and_a_killed_run_resumes_to_the_same_weigh
     assert "## How it was made" in card and "redrafter-mlx make-drafter" in card and "held-out prompts" in card
 
     # The same run, killed once a stage is done and run again.
-    command = [sys.executable, "-m", "redrafter_mlx.cli", "make-drafter", "--model", str(model), "--prompts", str(prompts),
-               "--output", str(tmp_path / "b"), *map(str, SIZES)]
-    process = subprocess.Popen(command, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT, **env), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    command = [
+        sys.executable,
+        "-m",
+        "redrafter_mlx.cli",
+        "make-drafter",
+        "--model",
+        str(model),
+        "--prompts",
+        str(prompts),
+        "--output",
+        str(tmp_path / "b"),
+        *map(str, SIZES),
+    ]
+    process = subprocess.Popen(
+        command,
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=ROOT, **env),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     done = work_folder(str(tmp_path / "b")) / "done.json"
     deadline = time.time() + 120
-    while not (done.exists() and "distill-t0" in done.read_text()) and time.time() < deadline and process.poll() is None:
+    while (
+        not (done.exists() and "distill-t0" in done.read_text()) and time.time() < deadline and process.poll() is None
+    ):
         time.sleep(0.05)
     process.send_signal(signal.SIGKILL)
     process.wait()
@@ -81,7 +102,9 @@ def test_what_cannot_work_is_refused_in_one_line(chat_model, tmp_path):
 def test_sizes_come_from_the_model():
     assert draft_vocab_size(49152) == 12288 and draft_vocab_size(262144) == 16384 and draft_vocab_size(1000) == 1000
     train, held = split_prompts(100, 5, seed=0)
-    assert len(held) == 5 and sorted(train + held) == list(range(100)) and split_prompts(100, 5, seed=0) == (train, held)
+    assert (
+        len(held) == 5 and sorted(train + held) == list(range(100)) and split_prompts(100, 5, seed=0) == (train, held)
+    )
 
 
 def test_a_plan_written_by_hand_runs_its_own_prompts_files(chat_model, tmp_path):
@@ -90,14 +113,40 @@ def test_a_plan_written_by_hand_runs_its_own_prompts_files(chat_model, tmp_path)
     shortest N, the first N), one feeding the datastore alone."""
     prompts = prompts_file(tmp_path / "prompts.jsonl")
     plan = {
-        "runs": [{"name": "greedy", "prompts": str(prompts), "shortest": 8, "temp": 0.0, "seed": 0, "max_tokens": 10},
-                 {"name": "extra", "prompts": str(prompts), "limit": 5, "temp": 0.7, "seed": 1, "max_tokens": 10, "datastore_only": True}],
-        "train": {"steps": 4, "batch_size": 16, "exit_dim": 64, "warm_start": True, "freeze_head_steps": 4, "draft_vocab": 64, "eval_every": 4},
+        "runs": [
+            {"name": "greedy", "prompts": str(prompts), "shortest": 8, "temp": 0.0, "seed": 0, "max_tokens": 10},
+            {
+                "name": "extra",
+                "prompts": str(prompts),
+                "limit": 5,
+                "temp": 0.7,
+                "seed": 1,
+                "max_tokens": 10,
+                "datastore_only": True,
+            },
+        ],
+        "train": {
+            "steps": 4,
+            "batch_size": 16,
+            "exit_dim": 64,
+            "warm_start": True,
+            "freeze_head_steps": 4,
+            "draft_vocab": 64,
+            "eval_every": 4,
+        },
         "measure": {"prompts_file": str(prompts), "prompts": 1, "max_tokens": 8, "temps": [0.0]},
     }
     (tmp_path / "plan.json").write_text(json.dumps(plan))
-    result = run_cli("make-drafter", "--model", chat_model[0], "--plan", tmp_path / "plan.json", "--output", tmp_path / "d",
-                     env={"REDRAFTER_MLX_CACHE": str(tmp_path / "cache")})
+    result = run_cli(
+        "make-drafter",
+        "--model",
+        chat_model[0],
+        "--plan",
+        tmp_path / "plan.json",
+        "--output",
+        tmp_path / "d",
+        env={"REDRAFTER_MLX_CACHE": str(tmp_path / "cache")},
+    )
     assert result.returncode == 0, result.stderr
     work = work_folder(str(tmp_path / "d"))
     assert len((work / "greedy.jsonl").read_text().splitlines()) == 8

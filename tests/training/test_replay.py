@@ -15,7 +15,18 @@ from redrafter_mlx.engine.types import ReDrafter
 from redrafter_mlx.errors import UserError
 from redrafter_mlx.drafting.datastore import Datastore
 from redrafter_mlx.training.distill import Sequences
-from redrafter_mlx.training.replay import accepted_lengths, count_steps, datastore_lengths, in_vocabulary_lengths, load_greedy_folder, lookup_depths, lookup_lengths, step_figures, tokens_per_step, with_continuation
+from redrafter_mlx.training.replay import (
+    accepted_lengths,
+    count_steps,
+    datastore_lengths,
+    in_vocabulary_lengths,
+    load_greedy_folder,
+    lookup_depths,
+    lookup_lengths,
+    step_figures,
+    tokens_per_step,
+    with_continuation,
+)
 from redrafter_mlx.engine.sampling import SamplingSettings
 from redrafter_mlx.training.data import build_positions, cached_positions, compute_hidden_cache
 
@@ -70,7 +81,16 @@ def test_replay_takes_as_many_steps_as_real_generation(tmp_path, shape, lookup):
     width, length = shape
     base = BaseModel(tiny_model("llama", seed=5))
     folder = DataFolder(tmp_path / "data")
-    distill(base, list, PROMPTS, folder, {"max_tokens": 30}, response_stream(base, 30, SamplingSettings(), ()), batch_size=2, progress=False)
+    distill(
+        base,
+        list,
+        PROMPTS,
+        folder,
+        {"max_tokens": 30},
+        response_stream(base, 30, SamplingSettings(), ()),
+        batch_size=2,
+        progress=False,
+    )
     sequences = folder.load()
     # A drafter right up to a pseudo-random depth at each position.
     drafter = OracleDrafter(base, [sequences.sequence(i).tolist() for i in range(len(sequences))], corrupt=length)
@@ -86,7 +106,9 @@ def test_replay_takes_as_many_steps_as_real_generation(tmp_path, shape, lookup):
         assert (lookup_depth > accepted).any()  # lookup adds something here
         assert (lookup_depth > length - 1).any() or length > 3  # at 1x3, past the beams' depth too
         accepted = with_continuation(accepted, lookup_depth, lookup_length)
-        draft = DraftSettings(width, length, max_nodes=width * (length - 1) + lookup_length, lookup=True, lookup_length=lookup_length)  # every node verified
+        draft = DraftSettings(
+            width, length, max_nodes=width * (length - 1) + lookup_length, lookup=True, lookup_length=lookup_length
+        )  # every node verified
 
     starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
     redrafter = ReDrafter(base, drafter)

@@ -32,14 +32,27 @@ def base():
 
 
 def write(base, path, count, batch_size=8, **kwargs):
-    return write_self_prompts(base, decode, TURN, count, path, seed=SEED, batch_size=batch_size, max_tokens=MAX_TOKENS, progress=False, **kwargs)
+    return write_self_prompts(
+        base,
+        decode,
+        TURN,
+        count,
+        path,
+        seed=SEED,
+        batch_size=batch_size,
+        max_tokens=MAX_TOKENS,
+        progress=False,
+        **kwargs,
+    )
 
 
 def attempt_alone(base, k):
     """Attempt k sampled on its own: (tokens, finish reason)."""
     choose = make_chooser(SamplingSettings(temp=1.0, row_seeds=[row_seed(SEED, k)]))
     tokens, finish = [], None
-    for step in autoregressive_steps(base, [TURN.header], max_tokens=MAX_TOKENS, choose=choose, eos_token_ids=sorted(TURN.stop)):
+    for step in autoregressive_steps(
+        base, [TURN.header], max_tokens=MAX_TOKENS, choose=choose, eos_token_ids=sorted(TURN.stop)
+    ):
         tokens += step[0].tokens
         finish = step[0].finish_reason or finish
     return tokens, finish
@@ -76,7 +89,9 @@ def test_an_interrupted_run_resumes_to_the_same_prompts(base, tmp_path):
 
     path = tmp_path / "resumed.jsonl"
     with pytest.raises(KeyboardInterrupt):
-        write_self_prompts(base, interrupting, TURN, 12, path, seed=SEED, batch_size=8, max_tokens=MAX_TOKENS, progress=False)
+        write_self_prompts(
+            base, interrupting, TURN, 12, path, seed=SEED, batch_size=8, max_tokens=MAX_TOKENS, progress=False
+        )
     assert 0 < len(read_self_prompts(path)) < 12  # the first batch was kept
     assert write(base, path, 12, batch_size=5) == whole
 

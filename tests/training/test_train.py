@@ -40,8 +40,22 @@ def model_and_data(tmp_path_factory):
 
 
 def small_config(**overrides):
-    return TrainConfig(**{**dict(depth=3, exit_dim=32, steps=6, batch_size=64, warmup=2, eval_every=3, save_every=3,
-                                 eval_fraction=0.1, draft_vocab=48), **overrides})
+    return TrainConfig(
+        **{
+            **dict(
+                depth=3,
+                exit_dim=32,
+                steps=6,
+                batch_size=64,
+                warmup=2,
+                eval_every=3,
+                save_every=3,
+                eval_fraction=0.1,
+                draft_vocab=48,
+            ),
+            **overrides,
+        }
+    )
 
 
 def run_train(model_and_data, output, config=None):
@@ -66,7 +80,9 @@ def test_train_writes_only_the_drafter_and_its_card_and_keeps_its_state_beside_i
     assert sorted(p.name for p in output.iterdir()) == DRAFTER_FILES
     state = tmp_path / "my-drafter.train"
     assert sorted(p.name for p in state.iterdir()) == ["checkpoint", "train_log.jsonl"]
-    assert [json.loads(line)["step"] for line in (state / "train_log.jsonl").read_text().splitlines()] == list(range(1, 7))
+    assert [json.loads(line)["step"] for line in (state / "train_log.jsonl").read_text().splitlines()] == list(
+        range(1, 7)
+    )
 
     redrafter, _ = load(model, drafter=str(output), dtype="float32")
     config = json.loads((output / "config.json").read_text())
@@ -95,8 +111,9 @@ def test_train_writes_only_the_drafter_and_its_card_and_keeps_its_state_beside_i
     assert sorted(p.name for p in output.iterdir()) == sorted(DRAFTER_FILES + ["datastore.npy"])
     refreshed = (output / "README.md").read_text()
     assert f"| datastore | `datastore.npy`, {tokens:,} tokens of {answers:,} answers (" in refreshed
-    assert refreshed.replace(next(l for l in refreshed.splitlines() if l.startswith("| datastore |")), "") == \
-        card.replace(next(l for l in card.splitlines() if l.startswith("| datastore |")), "")
+    assert refreshed.replace(
+        next(l for l in refreshed.splitlines() if l.startswith("| datastore |")), ""
+    ) == card.replace(next(l for l in card.splitlines() if l.startswith("| datastore |")), "")
     assert load(model, drafter=str(output), dtype="float32")[0].datastore is not None
 
 
@@ -114,10 +131,14 @@ def test_a_trained_drafter_is_found_by_its_base_models_identity(model_and_data, 
     shutil.copytree(tmp_path / "out", drafters / "mine")
     monkeypatch.setattr(loader, "SHIPPED_DRAFTERS_DIR", drafters)
     redrafter, _ = load(model, dtype="float32")
-    assert redrafter.drafter is not None and redrafter.drafter_identity == loader.drafter_identity(str(tmp_path / "out"))
+    assert redrafter.drafter is not None and redrafter.drafter_identity == loader.drafter_identity(
+        str(tmp_path / "out")
+    )
 
 
-def test_an_interrupted_run_resumes_from_its_state_folder_and_the_drafter_appears_at_the_end(model_and_data, tmp_path, monkeypatch):
+def test_an_interrupted_run_resumes_from_its_state_folder_and_the_drafter_appears_at_the_end(
+    model_and_data, tmp_path, monkeypatch
+):
     output = tmp_path / "out"
 
     class Stop(Exception):

@@ -80,7 +80,9 @@ def test_a_warm_started_drafter_first_predicts_the_base_models_ranking_of_h(setu
     """Built for it: whatever the RNN state, the warm-started drafter's
     logits are the base model's logits of h over the draft vocabulary."""
     base, sequences, _ = setup
-    trainer = make_trainer(setup, "unused", exit_dim=HIDDEN, warm_start=True, draft_vocab=draft_vocab, num_draft_layers=2)
+    trainer = make_trainer(
+        setup, "unused", exit_dim=HIDDEN, warm_start=True, draft_vocab=draft_vocab, num_draft_layers=2
+    )
     h = base.backbone(mx.array([sequences.sequence(0).tolist()]))[0]  # (L, hidden)
     state = trainer.drafter.update_state(base.embed(mx.array(sequences.sequence(1)[: h.shape[0]].tolist())), None)
     ids = np.array(trainer.drafter.draft_token_ids) if draft_vocab else np.arange(VOCAB)
@@ -94,7 +96,16 @@ def test_a_warm_started_drafter_first_predicts_the_base_models_ranking_of_h(setu
 
 def test_a_frozen_head_stays_the_base_models_for_its_steps_then_trains(setup, tmp_path):
     base, _, _ = setup
-    trainer = make_trainer(setup, tmp_path / "out", exit_dim=HIDDEN, warm_start=True, hidden_loss=1.0, freeze_head_steps=10, steps=20, draft_vocab=48)
+    trainer = make_trainer(
+        setup,
+        tmp_path / "out",
+        exit_dim=HIDDEN,
+        warm_start=True,
+        hidden_loss=1.0,
+        freeze_head_steps=10,
+        steps=20,
+        draft_vocab=48,
+    )
     head = np.array(base.head_rows(trainer.drafter.draft_token_ids))
     features = np.array(trainer.drafter.input_proj.weight)
     for _ in range(10):

@@ -44,8 +44,22 @@ def synthetic_setup(folder):
 
 def make_trainer(setup, output, **overrides):
     base, sequences, hidden = setup
-    config = TrainConfig(**{**dict(depth=4, exit_dim=64, steps=300, batch_size=64, learning_rate=3e-3, warmup=20,
-                                    eval_every=100, save_every=100, eval_fraction=0.1), **overrides})
+    config = TrainConfig(
+        **{
+            **dict(
+                depth=4,
+                exit_dim=64,
+                steps=300,
+                batch_size=64,
+                learning_rate=3e-3,
+                warmup=20,
+                eval_every=100,
+                save_every=100,
+                eval_fraction=0.1,
+            ),
+            **overrides,
+        }
+    )
     positions = build_positions(sequences, config.depth, config.eval_fraction)
     vocab = build_draft_vocab(sequences, config.draft_vocab) if config.draft_vocab else None
     return Trainer(base, positions, hidden, config, str(output), vocab)

@@ -42,7 +42,9 @@ def first_drafts(datastore, sequences: Sequences, keep: np.ndarray) -> np.ndarra
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--drafter", required=True, help="A drafter folder with a datastore.")
-    parser.add_argument("--data", action="append", required=True, help="Data folders whose held-out answers are measured.")
+    parser.add_argument(
+        "--data", action="append", required=True, help="Data folders whose held-out answers are measured."
+    )
     args = parser.parse_args()
     sequences = Sequences.concatenate([DataFolder(path).load() for path in args.data])
     vocab_size = DataFolder(args.data[0]).meta["vocab_size"]
@@ -52,10 +54,28 @@ def main():
     print(json.dumps({"positions": len(drafts), "predicted": round(share.mean(), 3), "right": round(right.mean(), 3)}))
     for lo, hi in OCCURRENCES:
         group = (found >= lo) & (found < (hi or np.inf))
-        print(json.dumps({"occurrences": [lo, hi], "share_of_positions": round(group.mean(), 3), "predicted": round(share[group].mean(), 3), "right": round(right[group].mean(), 3)}))
+        print(
+            json.dumps(
+                {
+                    "occurrences": [lo, hi],
+                    "share_of_positions": round(group.mean(), 3),
+                    "predicted": round(share[group].mean(), 3),
+                    "right": round(right[group].mean(), 3),
+                }
+            )
+        )
     for length in range(1, datastore.max_ngram + 1):
         group = n == length
-        print(json.dumps({"suffix_length": length, "share_of_positions": round(group.mean(), 3), "predicted": round(share[group].mean(), 3), "right": round(right[group].mean(), 3)}))
+        print(
+            json.dumps(
+                {
+                    "suffix_length": length,
+                    "share_of_positions": round(group.mean(), 3),
+                    "predicted": round(share[group].mean(), 3),
+                    "right": round(right[group].mean(), 3),
+                }
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -39,6 +39,7 @@ def main():
             mx.eval(y)
             time.sleep(delay)
             return y
+
         return call
 
     for name in ("recv_like", "all_gather", "all_sum"):

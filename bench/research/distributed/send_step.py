@@ -39,8 +39,12 @@ def main():
     args = parser.parse_args()
     ranks = distributed.join("pipeline")
     rng = np.random.default_rng(0)
-    step = (np.array([3]), rng.integers(0, 6, (1, 6)), rng.integers(0, 49152, (1, 6)),
-            [rng.integers(0, 49152, (1, 4, 5)), rng.random((1, 4, 5), np.float32)])
+    step = (
+        np.array([3]),
+        rng.integers(0, 6, (1, 6)),
+        rng.integers(0, 49152, (1, 6)),
+        [rng.integers(0, 49152, (1, 4, 5)), rng.random((1, 4, 5), np.float32)],
+    )
     times = {"checked": [], "checked_and_sent": []}
     for i in range(2 * args.steps // BLOCK):
         kind = i % 2
@@ -50,7 +54,11 @@ def main():
             if kind == 1:
                 ranks.broadcast(step if ranks.rank == 0 else None)
         times[list(times)[kind]].append((time.perf_counter() - tic) / BLOCK)
-    result = {"ranks": ranks.size, "steps": args.steps, **{f"{k}_ms": 1000 * float(np.median(v)) for k, v in times.items()}}
+    result = {
+        "ranks": ranks.size,
+        "steps": args.steps,
+        **{f"{k}_ms": 1000 * float(np.median(v)) for k, v in times.items()},
+    }
     if ranks.rank == 0:
         print(json.dumps(result))
         if args.json:

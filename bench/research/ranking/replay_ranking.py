@@ -71,7 +71,13 @@ def oracle_prune(tree, budget: int, path: list):
     """The answer's own path first, then the engine's ranking."""
     on_path = set(path)
     ranked = sorted(range(1, tree.num_nodes), key=lambda i: (i not in on_path, -tree.probs[i], tree.depths[i], i))
-    tree = type(tree)(tree.tokens, tree.parents, tree.depths, [2.0 if i in on_path else p for i, p in enumerate(tree.probs)], tree.judged)
+    tree = type(tree)(
+        tree.tokens,
+        tree.parents,
+        tree.depths,
+        [2.0 if i in on_path else p for i, p in enumerate(tree.probs)],
+        tree.judged,
+    )
     return prune(tree, budget)
 
 
@@ -101,7 +107,7 @@ def replay(sequences, beams, conditionals, starts, counts, datastore, settings, 
     for s in range(len(counts)):
         sequence = sequences.sequence(s).tolist()
         p = int(sequences.prompt_lengths[s])
-        context = sequence[:p + 1]  # prompt and the first answer token (the prefill's)
+        context = sequence[: p + 1]  # prompt and the first answer token (the prefill's)
         index = LookupIndex(context, settings.lookup_max_ngram)
         t = 0  # answer tokens after the first
         while t < counts[s] - 1:
@@ -110,7 +116,9 @@ def replay(sequences, beams, conditionals, starts, counts, datastore, settings, 
             drafts = [] if rule == "no-rnn" else beam_drafts(beams[row], conditionals[row], stats.estimate)
             drafts += lookup_drafts(index.propose(settings.lookup_length), stats.estimate)
             if datastore is not None:
-                drafts += datastore_drafts(datastore.propose(context, settings.beam_length - 1, settings.datastore_beams), stats.estimate)
+                drafts += datastore_drafts(
+                    datastore.propose(context, settings.beam_length - 1, settings.datastore_beams), stats.estimate
+                )
             full = candidate_tree(root, drafts)
             kept = None
             if rule == "oracle":
@@ -161,11 +169,24 @@ def main():
     positions = build_positions(sequences, length - 1, 0.0)
     counts = cached_positions(sequences)
     starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
-    beams, conditionals = search_all(drafter, base.embed, hidden[positions.hidden_row], positions.tokens, settings.search_shape(drafter))
+    beams, conditionals = search_all(
+        drafter, base.embed, hidden[positions.hidden_row], positions.tokens, settings.search_shape(drafter)
+    )
     for budget in map(int, args.budgets.split(",")):
         for rule in args.rules.split(","):
             per_step, table = replay(sequences, beams, conditionals, starts, counts, datastore, settings, budget, rule)
-            print(json.dumps({"shape": args.shape, "budget": budget, "rule": rule, "tokens_per_step": round(per_step, 3), "calibration": table}), flush=True)
+            print(
+                json.dumps(
+                    {
+                        "shape": args.shape,
+                        "budget": budget,
+                        "rule": rule,
+                        "tokens_per_step": round(per_step, 3),
+                        "calibration": table,
+                    }
+                ),
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

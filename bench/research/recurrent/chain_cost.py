@@ -82,6 +82,7 @@ def pass_and_commit(base: BaseModel, n: int) -> tuple[float, float]:
                 for c in cache:
                     c.commit_path(path, accepted)
             mx.eval(out, [c.state_arrays() for c in cache])
+
         return go
 
     return timed(chain(False)), timed(chain(True))
@@ -99,7 +100,9 @@ def tokens_per_step(base: BaseModel, nodes: int, chains: bool) -> float:
     try:
         steps = tokens = 0
         for p, r in zip(PROMPTS, references):
-            (out,), accepted = run(ReDrafter(base, drafter), [p], max_tokens=64, max_nodes=nodes, beam_width=4, beam_length=5)
+            (out,), accepted = run(
+                ReDrafter(base, drafter), [p], max_tokens=64, max_nodes=nodes, beam_width=4, beam_length=5
+            )
             assert out == r, "greedy output changed"
             steps += len(accepted)
             tokens += sum(a + 1 for a in accepted)
@@ -114,8 +117,16 @@ def main():
     args = parser.parse_args()
     rows = []
     for label, dense_model, hybrid_models in (
-        ("hidden 64", lambda: tiny_model("llama", seed=1), [(k, lambda k=k: tiny_model(k, seed=1)) for k in ("qwen3_next", "nemotron_h", "lfm2")]),
-        ("hidden 512", lambda: scaled("llama", 512), [(k, lambda k=k: scaled(k, 512)) for k in ("qwen3_next", "nemotron_h")]),
+        (
+            "hidden 64",
+            lambda: tiny_model("llama", seed=1),
+            [(k, lambda k=k: tiny_model(k, seed=1)) for k in ("qwen3_next", "nemotron_h", "lfm2")],
+        ),
+        (
+            "hidden 512",
+            lambda: scaled("llama", 512),
+            [(k, lambda k=k: scaled(k, 512)) for k in ("qwen3_next", "nemotron_h")],
+        ),
     ):
         for kind, make in [("llama", dense_model)] + hybrid_models:
             base = BaseModel(make())
@@ -127,7 +138,8 @@ def main():
             if label == "hidden 64":
                 row["tokens_per_step"] = {
                     f"{shape} {n}": tokens_per_step(base, n, shape == "chain")
-                    for n in (4, 8, 16) for shape in (("tree", "chain") if not base.recurrent else ("chain",))
+                    for n in (4, 8, 16)
+                    for shape in (("tree", "chain") if not base.recurrent else ("chain",))
                 }
             rows.append(row)
             print(json.dumps(row), flush=True)
