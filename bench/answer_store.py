@@ -14,7 +14,6 @@ import statistics
 import time
 
 import redrafter_mlx  # noqa: F401  (preloads OpenBLAS before mlx.core)
-
 from redrafter_mlx.drafting.answers import answer_store
 from redrafter_mlx.engine.prompt_cache import make_prompt_cache
 from redrafter_mlx.engine.types import ReDrafter

@@ -34,7 +34,6 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 from conftest import CHAT_VOCAB, save_word_tokenizer, tiny_model  # noqa: E402
-
 from redrafter_mlx.drafting.datastore import load_datastore  # noqa: E402
 from redrafter_mlx.drafting.drafter import load_drafter  # noqa: E402
 from redrafter_mlx.training.distill import DataFolder  # noqa: E402

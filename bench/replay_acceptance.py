@@ -19,15 +19,16 @@ also replayed with N continuations from the drafter's datastore in the tree
 import argparse
 import json
 
-import redrafter_mlx  # noqa: F401  (preloads OpenBLAS before mlx.core)
-
 import mlx.core as mx
 import numpy as np
 
+import redrafter_mlx  # noqa: F401  (preloads OpenBLAS before mlx.core)
 from redrafter_mlx.drafting.datastore import load_datastore
 from redrafter_mlx.drafting.drafter import load_drafter
 from redrafter_mlx.drafting.settings import DraftSettings
 from redrafter_mlx.errors import UserError
+from redrafter_mlx.training.config import TrainConfig
+from redrafter_mlx.training.data import build_positions, cached_positions, draft_index_map, draft_targets
 from redrafter_mlx.training.replay import (
     accepted_lengths,
     datastore_lengths,
@@ -38,8 +39,6 @@ from redrafter_mlx.training.replay import (
     tokens_per_step,
     with_continuation,
 )
-from redrafter_mlx.training.config import TrainConfig
-from redrafter_mlx.training.data import build_positions, cached_positions, draft_index_map, draft_targets
 from redrafter_mlx.training.trainer import drafter_loss
 
 

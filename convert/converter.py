@@ -12,8 +12,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from redrafter_mlx.drafting.drafter import CONFIG_FILE, WEIGHTS_FILE, Drafter, DrafterArgs, check_compatible
 from redrafter_mlx import files
+from redrafter_mlx.drafting.drafter import CONFIG_FILE, WEIGHTS_FILE, Drafter, DrafterArgs, check_compatible
 from redrafter_mlx.errors import UserError
 from redrafter_mlx.loading.gguf import DTYPES
 

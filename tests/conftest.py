@@ -17,15 +17,15 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from scipy.stats import chisquare
 from mlx_lm.generate import generate_step
 from mlx_lm.models import gemma3_text, lfm2, llama, mixtral, nemotron_h, qwen2, qwen3_5, qwen3_moe, qwen3_next
+from scipy.stats import chisquare
 
+from redrafter_mlx.drafting.cost import CostCurve
+from redrafter_mlx.drafting.drafter import Drafter, DrafterArgs
+from redrafter_mlx.drafting.settings import DraftSettings
 from redrafter_mlx.engine import calibrate, costs
 from redrafter_mlx.engine.base_model import BaseModel
-from redrafter_mlx.drafting.cost import CostCurve
-from redrafter_mlx.drafting.settings import DraftSettings
-from redrafter_mlx.drafting.drafter import Drafter, DrafterArgs
 from redrafter_mlx.engine.decoder import generate_steps
 from redrafter_mlx.engine.types import ReDrafter
 
@@ -409,8 +409,8 @@ def chat_model(tmp_path_factory):
     probability})."""
     from mlx_lm.utils import load_tokenizer, save_config, save_model
 
-    from redrafter_mlx.serving.api import encode_prompt
     from redrafter_mlx.drafting.drafter import save_drafter
+    from redrafter_mlx.serving.api import encode_prompt
 
     root = tmp_path_factory.mktemp("chat-model")
     model = tiny_model("llama", seed=21, vocab=CHAT_VOCAB)

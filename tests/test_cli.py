@@ -9,11 +9,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import ROOT, run_cli
 
+from conftest import ROOT, run_cli
 from redrafter_mlx.drafting.datastore import load_datastore
+from redrafter_mlx.drafting.drafter import Drafter, DrafterArgs, save_drafter
 from redrafter_mlx.training.distill import DataFolder
-from redrafter_mlx.drafting.drafter import DrafterArgs, Drafter, save_drafter
 
 QUESTION = "What is the capital of France? Answer in one sentence."
 
@@ -23,7 +23,7 @@ def assert_clean_error(result, message, status=None):
     ``status`` (2: a bad option value, 1: a failure at run time), or any
     non-zero one."""
     assert result.returncode != 0 if status is None else result.returncode == status, (result.returncode, result.stderr)
-    lines = [l for l in result.stderr.splitlines() if l.strip()]
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
     assert message in lines[0]
     assert "Traceback" not in result.stderr + result.stdout
@@ -110,7 +110,7 @@ def test_prompts_file_gives_one_json_line_per_prompt_in_order(smol_drafter, tmp_
         "generate", "--drafter", smol_drafter, "--prompts", prompts, "--batch-size", 3, "--max-tokens", 12, "--json"
     )
     assert batched.returncode == 0, batched.stderr
-    lines = [json.loads(l) for l in batched.stdout.splitlines()]
+    lines = [json.loads(line) for line in batched.stdout.splitlines()]
     assert len(lines) == 3 and "Paris" in lines[1]["text"]
     solo = run_cli("generate", "--drafter", smol_drafter, "--prompt", QUESTION, "--max-tokens", 12, "--json")
     assert json.loads(solo.stdout)["tokens"] == lines[1]["tokens"]
@@ -466,7 +466,7 @@ def test_a_temp_dir_that_does_not_exist_gets_one_warning_and_the_command_runs(tm
     result = run_cli("generate", "--prompt", "hi", "--max-tokens", 4, "--json", env={"TMPDIR": str(missing)})
     assert result.returncode == 0, result.stderr
     assert "Traceback" not in result.stderr
-    warnings = [l for l in result.stderr.splitlines() if l.startswith("warning: ")]
+    warnings = [line for line in result.stderr.splitlines() if line.startswith("warning: ")]
     assert len(warnings) == 1 and warnings[0].startswith(f"warning: TMPDIR={missing} is not a directory; using /")
     assert json.loads(result.stdout)["generation_tokens"] >= 1
 
@@ -606,10 +606,9 @@ def test_serve_ended_by_sigterm_while_it_measures_exits_0(tmp_path):
     """A cost curve not yet measured on this machine (an empty cache): the
     server measures it before it serves; a SIGTERM then ends it cleanly."""
     import signal
+    import socket
     import subprocess
     import sys
-
-    import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

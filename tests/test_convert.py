@@ -1,15 +1,14 @@
 """Converting PyTorch-trained drafter checkpoints into the MLX drafter format."""
 
-import redrafter_mlx  # noqa: F401  (before mlx.core)
-
 import json
 import sys
 
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import tiny_model
 
+import redrafter_mlx  # noqa: F401  (before mlx.core)
+from conftest import tiny_model
 from redrafter_mlx.convert import convert_checkpoint
 from redrafter_mlx.drafting.drafter import load_drafter
 from redrafter_mlx.errors import UserError

@@ -11,8 +11,8 @@ import uuid
 from pathlib import Path
 
 import pytest
-from conftest import ROOT
 
+from conftest import ROOT
 from redrafter_mlx import files
 from redrafter_mlx.errors import UserError
 

@@ -18,7 +18,6 @@ learning that the drafter is over-confident.
 from collections import defaultdict, deque
 from typing import Optional
 
-
 KEPT_SEARCHES = 8  # full-length searches whose kept depths are remembered
 
 

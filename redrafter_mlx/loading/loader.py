@@ -183,8 +183,8 @@ def drafter_folder(drafter: str) -> str:
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import (
         GatedRepoError,
-        HFValidationError,
         HfHubHTTPError,
+        HFValidationError,
         IncompleteSnapshotError,
         LocalEntryNotFoundError,
         RepositoryNotFoundError,

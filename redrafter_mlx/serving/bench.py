@@ -29,7 +29,6 @@ from ..engine.profile import PHASES, StepProfile
 from ..engine.types import Chooser, ReDrafter, TokenHistory
 from ..errors import UserError
 
-
 PROFILED_BATCHES = 4  # batches whose extra profiled run splits each configuration's step time
 
 # Used when no prompts file is given: a mix of tasks like a chat user's.

@@ -7,7 +7,6 @@ from typing import Optional, Sequence
 
 from ..engine.prompt_cache import PromptCache
 
-
 MIN_REUSE = 8  # tokens: a shorter common start (a start-of-sequence token, a template's first turn header) is no match
 
 

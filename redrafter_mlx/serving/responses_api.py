@@ -41,7 +41,11 @@ from .requests import (
     sampling,
     stop_strings,
     template_kwargs,
+)
+from .requests import (
     tool_choice as chat_tool_choice,
+)
+from .requests import (
     tool_list as chat_tool_list,
 )
 from .scheduler import Request

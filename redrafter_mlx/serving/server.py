@@ -44,7 +44,8 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
-from starlette.requests import ClientDisconnect, Request as HTTPRequest
+from starlette.requests import ClientDisconnect
+from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.routing import Route
 from uvicorn.protocols.http.h11_impl import H11Protocol

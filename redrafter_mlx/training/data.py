@@ -200,7 +200,7 @@ def build_draft_vocab(sequences: Sequences, size: int) -> np.ndarray:
     """The ``size`` most frequent generated tokens, most frequent first."""
     starts = np.concatenate([[0], np.cumsum(sequences.lengths)[:-1]])
     generated = np.concatenate(
-        [sequences.tokens[s + p : s + l] for s, p, l in zip(starts, sequences.prompt_lengths, sequences.lengths)]
+        [sequences.tokens[s + p : s + n] for s, p, n in zip(starts, sequences.prompt_lengths, sequences.lengths)]
     )
     counts = np.bincount(generated)
     order = np.argsort(-counts, kind="stable")[:size]

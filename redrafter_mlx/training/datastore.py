@@ -8,10 +8,10 @@ from .. import files
 from ..drafting.datastore import Datastore
 from ..drafting.drafter import CONFIG_FILE, DrafterArgs, read_config
 from ..errors import UserError
-from .distill import Sequences, data_folders
 from .card import refresh_card_datastore
 from .config import TrainConfig
 from .data import held_out_sequences
+from .distill import Sequences, data_folders
 
 
 def add_datastore(drafter: str, data: list) -> tuple[Path, int, int]:

@@ -338,7 +338,6 @@ def explicit_plan(path: str, model: Optional[str], dtype: Optional[str]) -> dict
     and ``temps``; an optional ``note`` (say, why a plan was changed by hand)
     is shown in the model card. ``bench/train_default_drafter.sh`` writes one."""
     from ..loading.loader import load_base_model
-
     from .config import TrainConfig
 
     try:
@@ -556,8 +555,8 @@ def make_drafter(output: str, model: Optional[str] = None, *, say=print, workers
     staged = str(adopt_old_layout(output, work, stages.done))
 
     def train():
-        from .distill import DataFolder
         from .data import cached_positions
+        from .distill import DataFolder
 
         # A batch never larger than half the positions there are (a tiny run's).
         positions = sum(int(cached_positions(DataFolder(f).load()).sum()) for f in folders)

@@ -17,12 +17,12 @@ import mlx.core as mx
 import numpy as np
 
 from ..drafting.beam_search import beam_search
+from ..drafting.lookup import LookupIndex
 from ..engine.base_model import BaseModel
 from ..errors import UserError
 from ..loading.loader import load_base_model
-from .distill import DataFolder, Sequences
-from ..drafting.lookup import LookupIndex
 from .data import cached_positions, compute_hidden_cache
+from .distill import DataFolder, Sequences
 
 
 def load_greedy_folder(data: str, model: Optional[str] = None) -> tuple[BaseModel, Sequences, np.ndarray]:

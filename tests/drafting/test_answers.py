@@ -2,7 +2,6 @@
 that drafting from it leaves the output unchanged."""
 
 from conftest import mlx_lm_greedy, run, tiny_model
-
 from redrafter_mlx.drafting.answers import AnswerStore, answer_store
 from redrafter_mlx.engine.base_model import BaseModel
 from redrafter_mlx.engine.types import ReDrafter

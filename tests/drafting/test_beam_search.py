@@ -4,8 +4,8 @@ import itertools
 
 import mlx.core as mx
 import numpy as np
-from conftest import HIDDEN, tiny_drafter
 
+from conftest import HIDDEN, tiny_drafter
 from redrafter_mlx.drafting.beam_search import beam_search
 
 

@@ -3,8 +3,8 @@
 import json
 
 import pytest
-from conftest import tiny_redrafter
 
+from conftest import tiny_redrafter
 from redrafter_mlx.drafting.cost import LONG_SIZES, SIZES, CostCurve, cache_path
 from redrafter_mlx.engine.calibrate import cost_curve as measured_curve
 from redrafter_mlx.engine.decoder import fixed_costs

@@ -3,23 +3,23 @@ last tokens, against a brute-force count; files; greedy parity in generation."""
 
 from collections import Counter
 
+import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import tiny_drafter, tiny_model
 from mlx_lm.generate import generate_step
 
-import mlx.core as mx
+from conftest import tiny_drafter, tiny_model
 from redrafter_mlx.drafting import datastore as datastore_module
-from redrafter_mlx.engine.autoregressive import autoregressive_steps
-from redrafter_mlx.engine.base_model import BaseModel
 from redrafter_mlx.drafting.datastore import Datastore, load_datastore
-from redrafter_mlx.training.distill import Sequences
 from redrafter_mlx.drafting.settings import DraftSettings
 from redrafter_mlx.drafting.speculator import Speculator
-from redrafter_mlx.errors import UserError
+from redrafter_mlx.engine.autoregressive import autoregressive_steps
+from redrafter_mlx.engine.base_model import BaseModel
 from redrafter_mlx.engine.decoder import generate_steps
-from redrafter_mlx.engine.types import ReDrafter
 from redrafter_mlx.engine.sampling import SamplingSettings, make_chooser
+from redrafter_mlx.engine.types import ReDrafter
+from redrafter_mlx.errors import UserError
+from redrafter_mlx.training.distill import Sequences
 
 
 def brute_force(sequences, context, length, beams, max_ngram):

@@ -6,8 +6,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten
-from conftest import tiny_drafter
 
+from conftest import tiny_drafter
 from redrafter_mlx.drafting.drafter import check_compatible, load_drafter, save_drafter
 from redrafter_mlx.errors import UserError
 

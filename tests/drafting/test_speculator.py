@@ -3,8 +3,8 @@ the RNN turned off where it does not pay."""
 
 import numpy as np
 import pytest
-from conftest import tiny_drafter
 
+from conftest import tiny_drafter
 from redrafter_mlx.drafting.budget import AcceptanceStats
 from redrafter_mlx.drafting.cost import CostCurve
 from redrafter_mlx.drafting.policy import PLAIN_STEPS, RESHAPE_STEPS, WINDOW

@@ -4,9 +4,8 @@ and waiting prompts joining the batch."""
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import tiny_model
-from conftest import mlx_lm_greedy
 
+from conftest import mlx_lm_greedy, tiny_model
 from redrafter_mlx.engine.autoregressive import autoregressive_steps
 from redrafter_mlx.engine.base_model import BaseModel
 

@@ -3,8 +3,8 @@
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import HIDDEN, tiny_model
 
+from conftest import HIDDEN, tiny_model
 from redrafter_mlx.engine.base_model import BaseModel
 
 

@@ -9,8 +9,8 @@ import sys
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import tiny_model
 
+from conftest import tiny_model
 from redrafter_mlx.engine.base_model import BaseModel
 from redrafter_mlx.engine.cache import (
     STEP,

@@ -2,8 +2,8 @@
 they really cost over what the measured curve says."""
 
 import pytest
-from conftest import CPU_CURVE, mlx_lm_greedy, tiny_model
 
+from conftest import CPU_CURVE, mlx_lm_greedy, tiny_model
 from redrafter_mlx.drafting.cost import CostCurve
 from redrafter_mlx.drafting.settings import DraftSettings
 from redrafter_mlx.engine import costs

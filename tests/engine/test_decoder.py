@@ -3,14 +3,14 @@
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import OracleDrafter, mlx_lm_greedy, run, tiny_drafter, tiny_model
 
-from redrafter_mlx.engine.base_model import BaseModel
-from redrafter_mlx.errors import UserError
-from redrafter_mlx.engine.decoder import Decoder, generate_steps
-from redrafter_mlx.engine.types import ReDrafter
+from conftest import OracleDrafter, mlx_lm_greedy, run, tiny_drafter, tiny_model
 from redrafter_mlx.drafting.settings import DraftSettings
 from redrafter_mlx.drafting.tree import NO_TOKEN
+from redrafter_mlx.engine.base_model import BaseModel
+from redrafter_mlx.engine.decoder import Decoder
+from redrafter_mlx.engine.types import ReDrafter
+from redrafter_mlx.errors import UserError
 
 NUM_TOKENS = 64
 SHAPES = [(1, 2), (4, 4), (8, 5)]

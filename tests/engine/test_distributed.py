@@ -13,6 +13,7 @@ import time
 import mlx.core as mx
 import numpy as np
 import pytest
+
 from conftest import (
     ROOT,
     OracleDrafter,
@@ -25,7 +26,6 @@ from conftest import (
     tiny_drafter,
     tiny_model,
 )
-
 from redrafter_mlx.drafting.drafter import save_drafter
 from redrafter_mlx.engine.base_model import BaseModel
 from redrafter_mlx.engine.cache import CacheLayout, TreeKVCache, extend_batch
@@ -365,8 +365,9 @@ def test_bench_compares_plain_pipelined_decoding_with_redrafter_in_the_same_spli
 def test_serve_answers_from_rank_0_as_one_process_does_and_stops_every_rank(folders, tmp_path):
     """Two requests at once (continuous batching across the split), greedy,
     equal to a one-process server's answers; SIGTERM to rank 0 ends both."""
-    import httpx
     from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
 
     options = ["--model", folders["llama"], "--drafter", folders["drafter"], "--max-batch", 2, "--max-nodes", 8]
     bodies = [
@@ -453,6 +454,7 @@ def test_a_digest_tells_steps_apart():
     arrays agree; another value, even in the last bit, or another shape
     does not."""
     import numpy as np
+
     from redrafter_mlx.engine.distributed import digest
 
     step = (np.array([2]), np.arange(6).reshape(1, 6), [np.ones((1, 4, 5), np.float32), None])

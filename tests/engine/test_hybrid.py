@@ -9,6 +9,9 @@ import json
 import mlx.core as mx
 import numpy as np
 import pytest
+from mlx_lm.models import llama
+from mlx_lm.models.cache import ArraysCache, CacheList, KVCache
+
 from conftest import (
     EXPERTS,
     HYBRIDS,
@@ -20,9 +23,6 @@ from conftest import (
     tiny_drafter,
     tiny_model,
 )
-from mlx_lm.models import llama
-from mlx_lm.models.cache import ArraysCache, CacheList, KVCache
-
 from redrafter_mlx.drafting import tree as tree_module
 from redrafter_mlx.drafting.settings import DraftSettings
 from redrafter_mlx.engine import calibrate

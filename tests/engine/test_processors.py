@@ -5,11 +5,11 @@ all exact inside the tree (a node's processors see its own ancestors)."""
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import OracleDrafter, tiny_drafter, tiny_model
 from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_logits_processors
 from test_sampling import PROMPT, SAMPLES, VOCAB, FixedDrafter, assert_same_distribution
 
+from conftest import OracleDrafter, tiny_drafter, tiny_model
 from redrafter_mlx.drafting.settings import DraftSettings
 from redrafter_mlx.engine.autoregressive import autoregressive_steps
 from redrafter_mlx.engine.base_model import BaseModel

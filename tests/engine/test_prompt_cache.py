@@ -4,13 +4,13 @@ another model; the server's store keeps the most useful ones."""
 
 import mlx.core as mx
 import pytest
-from conftest import tiny_drafter, tiny_model
 
+from conftest import tiny_drafter, tiny_model
 from redrafter_mlx.engine.base_model import BaseModel
-from redrafter_mlx.errors import UserError
 from redrafter_mlx.engine.decoder import generate_steps
-from redrafter_mlx.engine.types import ReDrafter
 from redrafter_mlx.engine.prompt_cache import PromptCache, load_prompt_cache, make_prompt_cache, save_prompt_cache
+from redrafter_mlx.engine.types import ReDrafter
+from redrafter_mlx.errors import UserError
 from redrafter_mlx.serving.cache_store import PromptCacheStore
 
 TURNS = [[5, 17, 42, 99, 3, 250, 7, 18], [11, 12, 13], [200, 201, 5, 17, 42], [9]]

@@ -2,15 +2,14 @@
 
 import mlx.core as mx
 import pytest
-from conftest import OracleDrafter
-from conftest import mlx_lm_greedy, run
 
+from conftest import OracleDrafter, mlx_lm_greedy, run
+from redrafter_mlx.drafting.drafter import Drafter, DrafterArgs
 from redrafter_mlx.engine.autoregressive import autoregressive_steps
 from redrafter_mlx.engine.base_model import BaseModel
-from redrafter_mlx.drafting.drafter import Drafter, DrafterArgs
+from redrafter_mlx.engine.sampling import SamplingSettings, make_chooser
 from redrafter_mlx.engine.types import ReDrafter
 from redrafter_mlx.loading.loader import load_base_model
-from redrafter_mlx.engine.sampling import SamplingSettings, make_chooser
 
 NUM_TOKENS = 64
 

@@ -3,12 +3,12 @@ batched generation keeps greedy parity."""
 
 import itertools
 import json
-import sys
 from collections import Counter
 
 import mlx.core as mx
 import numpy as np
 import pytest
+
 from conftest import (
     CHAT_PROMPT,
     CHAT_SETTINGS,
@@ -19,18 +19,17 @@ from conftest import (
     tiny_drafter,
     tiny_model,
 )
-
-from redrafter_mlx.engine.autoregressive import autoregressive_steps
-from redrafter_mlx.engine import calibrate
-from redrafter_mlx.engine.base_model import BaseModel
-from redrafter_mlx.errors import UserError
-from redrafter_mlx.serving.api import batch_steps
 from redrafter_mlx.drafting.cost import CostCurve
 from redrafter_mlx.drafting.settings import DraftSettings
+from redrafter_mlx.engine import calibrate
+from redrafter_mlx.engine.autoregressive import autoregressive_steps
+from redrafter_mlx.engine.base_model import BaseModel
 from redrafter_mlx.engine.decoder import generate_steps
-from redrafter_mlx.engine.types import ReDrafter, TokenHistory
-from redrafter_mlx.loading.loader import load
 from redrafter_mlx.engine.sampling import SamplingSettings, gumbel_noise, make_chooser, open_uniform, row_seed
+from redrafter_mlx.engine.types import ReDrafter, TokenHistory
+from redrafter_mlx.errors import UserError
+from redrafter_mlx.loading.loader import load
+from redrafter_mlx.serving.api import batch_steps
 
 VOCAB = 8
 PROMPT = [1, 5, 2, 7, 1, 5, 2]  # repeats itself, so context lookup proposes drafts

@@ -3,8 +3,6 @@ synthetic files for the exact tensor layout, and bad input."""
 
 import os
 
-import redrafter_mlx  # noqa: F401  (preloads OpenBLAS before mlx.core)
-
 import gguf
 import mlx.core as mx
 import mlx.nn as nn
@@ -13,6 +11,7 @@ import pytest
 from mlx_lm import generate
 from mlx_lm.models import llama, qwen2
 
+import redrafter_mlx  # noqa: F401  (preloads OpenBLAS before mlx.core)
 from redrafter_mlx.errors import UserError
 from redrafter_mlx.loading.gguf import (
     default_model_path,
@@ -176,9 +175,7 @@ def test_redrafter_parity_on_gemma3_past_its_sliding_window(gemma3_path):
     """Real Gemma-3-270M (sliding window 512) with a prompt longer than the
     window: tree verification keeps greedy parity while paths of every
     length are accepted."""
-    from conftest import OracleDrafter
-    from conftest import mlx_lm_greedy, run
-
+    from conftest import OracleDrafter, mlx_lm_greedy, run
     from redrafter_mlx.engine.base_model import BaseModel
     from redrafter_mlx.engine.types import ReDrafter
 
@@ -198,8 +195,7 @@ def test_the_shipped_gemma3_drafter_is_found_by_the_models_identity_and_keeps_it
     decoding's."""
     import json
 
-    from conftest import ROOT, run_cli
-
+    from conftest import run_cli
     from redrafter_mlx.loading.loader import SHIPPED_DRAFTERS_DIR, load
 
     redrafter, tokenizer = load(gemma3_path)
@@ -325,9 +321,7 @@ def test_rope_freqs_scale_positions(tmp_path):
 def test_redrafter_parity_with_rope_freqs(tmp_path):
     """Tree verification gives tree tokens their positions through the GGUF
     loader's own RoPE module too."""
-    from conftest import OracleDrafter
-    from conftest import mlx_lm_greedy, run
-
+    from conftest import OracleDrafter, mlx_lm_greedy, run
     from redrafter_mlx.engine.base_model import BaseModel
     from redrafter_mlx.engine.types import ReDrafter
 

@@ -11,6 +11,7 @@ import time
 
 import httpx
 import pytest
+
 from conftest import start_server, stop_server
 
 openai = pytest.importorskip("openai")

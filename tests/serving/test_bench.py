@@ -3,12 +3,12 @@ what ReDrafter emits, so the two are timed on the same text."""
 
 import numpy as np
 import pytest
-from conftest import tiny_redrafter
 
-from redrafter_mlx.serving.bench import Config, ConfigResult, baseline_run, parse_configs, redrafter_run
+from conftest import tiny_redrafter
 from redrafter_mlx.drafting.settings import DraftSettings
 from redrafter_mlx.engine.sampling import SamplingSettings, make_chooser
 from redrafter_mlx.errors import UserError
+from redrafter_mlx.serving.bench import Config, ConfigResult, baseline_run, parse_configs, redrafter_run
 
 
 def test_sampled_mlx_lm_baseline_emits_the_seeded_redrafter_tokens():

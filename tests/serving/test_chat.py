@@ -6,6 +6,7 @@ import os
 import sys
 
 import pytest
+
 from conftest import ROOT
 
 pexpect = pytest.importorskip("pexpect")
@@ -67,8 +68,8 @@ def test_chat_session():
 
 
 def test_each_conversation_answered_is_logged(chat_model, tmp_path):
-    from redrafter_mlx.serving.chat import chat_loop
     from redrafter_mlx.loading.loader import load
+    from redrafter_mlx.serving.chat import chat_loop
     from redrafter_mlx.serving.prompts import PromptLog, read_prompts
 
     redrafter, tokenizer = load(chat_model[0], drafter=chat_model[1])
@@ -97,8 +98,8 @@ def test_a_recorded_ctrl_c_ends_the_answer_at_the_next_step(chat_model):
     chat's handler records still ends the answer, one step later."""
     import threading
 
-    from redrafter_mlx.serving.chat import answer
     from redrafter_mlx.loading.loader import load
+    from redrafter_mlx.serving.chat import answer
 
     redrafter, tokenizer = load(chat_model[0], drafter=chat_model[1])
     messages = [{"role": "user", "content": "w1 w2"}]

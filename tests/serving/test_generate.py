@@ -10,9 +10,9 @@ import sys
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import ROOT, assert_same_distribution, processed_probs
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
+from conftest import ROOT, assert_same_distribution, processed_probs
 from redrafter_mlx.drafting.settings import DraftSettings
 from redrafter_mlx.errors import UserError
 from redrafter_mlx.loading.loader import load

@@ -8,6 +8,7 @@ import json
 
 import httpx
 import pytest
+
 from conftest import start_server, stop_server
 
 openai = pytest.importorskip("openai")

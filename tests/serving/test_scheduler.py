@@ -7,10 +7,10 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ROOT, tiny_drafter, tiny_model
 
-from redrafter_mlx.engine.base_model import BaseModel
+from conftest import ROOT, tiny_drafter, tiny_model
 from redrafter_mlx.drafting.settings import DraftSettings
+from redrafter_mlx.engine.base_model import BaseModel
 from redrafter_mlx.engine.decoder import generate_steps
 from redrafter_mlx.engine.types import ReDrafter
 from redrafter_mlx.serving.scheduler import Request, Scheduler

@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+
 from conftest import run_cli, start_server, stop_server
 
 openai = pytest.importorskip("openai")
@@ -51,12 +52,11 @@ def client(server):
 def reference(server):
     """Plain greedy decoding of each question in this process (the chat
     template applied), as token ids and text."""
-    from mlx_lm.utils import load_tokenizer
 
-    from redrafter_mlx.serving.api import encode_prompt
     from redrafter_mlx.engine.autoregressive import autoregressive_steps
     from redrafter_mlx.engine.base_model import BaseModel
     from redrafter_mlx.loading.loader import load_base_model
+    from redrafter_mlx.serving.api import encode_prompt
 
     model, tokenizer = load_base_model(server[2], dtype=None)
     base = BaseModel(model)

@@ -4,9 +4,9 @@ layout: test_train.py.)"""
 
 import numpy as np
 import pytest
-from conftest import HIDDEN
 from training_setup import make_trainer, synthetic_setup
 
+from conftest import HIDDEN
 from redrafter_mlx.errors import UserError
 from redrafter_mlx.training.data import build_draft_vocab, build_positions
 from redrafter_mlx.training.trainer import Trainer, train

@@ -4,9 +4,9 @@ sequences, rows of several folders read as one."""
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import HIDDEN, tiny_model
 from training_setup import synthetic_setup
 
+from conftest import HIDDEN, tiny_model
 from redrafter_mlx.engine.base_model import BaseModel
 from redrafter_mlx.training.data import StackedRows, compute_hidden_cache, length_batches
 from redrafter_mlx.training.distill import DataFolder
@@ -52,8 +52,8 @@ def test_hidden_cache_matches_the_base_model(setup):
 
 
 def test_hidden_states_saved_by_distill_equal_recomputed_ones(tmp_path):
-    from redrafter_mlx.training.distill import distill, response_stream
     from redrafter_mlx.engine.sampling import SamplingSettings
+    from redrafter_mlx.training.distill import distill, response_stream
 
     base = BaseModel(tiny_model("llama", seed=6))
     prompts = ["abc", "hello world", "x", "a longer prompt here"]

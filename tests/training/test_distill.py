@@ -4,12 +4,12 @@ import errno
 
 import numpy as np
 import pytest
-from conftest import ROOT, tiny_model
 
+from conftest import ROOT, tiny_model
 from redrafter_mlx.engine.base_model import BaseModel
-from redrafter_mlx.training.distill import DataFolder, distill, hidden_path, response_stream
 from redrafter_mlx.engine.sampling import SamplingSettings
 from redrafter_mlx.errors import UserError
+from redrafter_mlx.training.distill import DataFolder, distill, hidden_path, response_stream
 
 PROMPTS = ["hello there", "a", "what is two plus two?", "xyz" * 7, "tell me a story", "ok", "1 2 3 4 5"]
 

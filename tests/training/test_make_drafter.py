@@ -10,8 +10,8 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, run_cli
 
+from conftest import ROOT, run_cli
 from redrafter_mlx.errors import UserError
 from redrafter_mlx.training.make_drafter import check_disk, draft_vocab_size, split_prompts, work_folder
 

@@ -5,16 +5,17 @@ import json
 
 import numpy as np
 import pytest
-from conftest import OracleDrafter, tiny_model
 
-from redrafter_mlx.engine.base_model import BaseModel
-from redrafter_mlx.training.distill import DataFolder, distill, response_stream
+from conftest import OracleDrafter, tiny_model
+from redrafter_mlx.drafting.datastore import Datastore
 from redrafter_mlx.drafting.settings import DraftSettings
+from redrafter_mlx.engine.base_model import BaseModel
 from redrafter_mlx.engine.decoder import generate_steps
+from redrafter_mlx.engine.sampling import SamplingSettings
 from redrafter_mlx.engine.types import ReDrafter
 from redrafter_mlx.errors import UserError
-from redrafter_mlx.drafting.datastore import Datastore
-from redrafter_mlx.training.distill import Sequences
+from redrafter_mlx.training.data import build_positions, cached_positions, compute_hidden_cache
+from redrafter_mlx.training.distill import DataFolder, Sequences, distill, response_stream
 from redrafter_mlx.training.replay import (
     accepted_lengths,
     count_steps,
@@ -27,8 +28,6 @@ from redrafter_mlx.training.replay import (
     tokens_per_step,
     with_continuation,
 )
-from redrafter_mlx.engine.sampling import SamplingSettings
-from redrafter_mlx.training.data import build_positions, cached_positions, compute_hidden_cache
 
 PROMPTS = [[5, 17, 42, 99, 3], [250, 7, 18], [1, 2, 3, 4, 5, 6, 7, 8, 9], [77, 66]]
 

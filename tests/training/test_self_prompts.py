@@ -1,17 +1,15 @@
 """Prompts the base model writes itself: sampled, filtered, resumed, and
 answered like any prompts file."""
 
-import json
-
 import pytest
-from conftest import tiny_model
 
+from conftest import tiny_model
 from redrafter_mlx.engine.autoregressive import autoregressive_steps
 from redrafter_mlx.engine.base_model import BaseModel
-from redrafter_mlx.training.distill import DataFolder, distill, response_stream
+from redrafter_mlx.engine.sampling import SamplingSettings, make_chooser, row_seed
 from redrafter_mlx.errors import UserError
 from redrafter_mlx.serving.prompts import read_prompts
-from redrafter_mlx.engine.sampling import SamplingSettings, make_chooser, row_seed
+from redrafter_mlx.training.distill import DataFolder, distill, response_stream
 from redrafter_mlx.training.self_prompts import PROMPTS_FILE, UserTurn, read_self_prompts, write_self_prompts
 
 # A quarter of the vocabulary ends the turn: turns of a few tokens, some

@@ -6,16 +6,15 @@ test_checkpoints.py, test_card.py."""
 
 import numpy as np
 import pytest
-from conftest import VOCAB, tiny_model
 from mlx.utils import tree_flatten
 from training_setup import synthetic_data
 
+from conftest import VOCAB, tiny_model
 from redrafter_mlx.drafting.drafter import load_drafter
 from redrafter_mlx.errors import UserError
 from redrafter_mlx.training.config import TrainConfig
 from redrafter_mlx.training.distill import DataFolder
 from redrafter_mlx.training.trainer import Trainer
-
 
 # -- train_drafter's output: the drafter alone, its card, its training state beside it
 
@@ -27,8 +26,9 @@ DRAFTER_FILES = ["README.md", "config.json", "model.safetensors"]
 def model_and_data(tmp_path_factory):
     """The tiny model of ``training_setup.synthetic_setup`` saved as an mlx-lm folder (with a word
     tokenizer), and a data folder distilled (synthetically) for it."""
-    from conftest import save_word_tokenizer
     from mlx_lm.utils import save_config, save_model
+
+    from conftest import save_word_tokenizer
 
     root = tmp_path_factory.mktemp("train-drafter")
     model = tiny_model("llama", seed=4)
@@ -112,8 +112,8 @@ def test_train_writes_only_the_drafter_and_its_card_and_keeps_its_state_beside_i
     refreshed = (output / "README.md").read_text()
     assert f"| datastore | `datastore.npy`, {tokens:,} tokens of {answers:,} answers (" in refreshed
     assert refreshed.replace(
-        next(l for l in refreshed.splitlines() if l.startswith("| datastore |")), ""
-    ) == card.replace(next(l for l in card.splitlines() if l.startswith("| datastore |")), "")
+        next(line for line in refreshed.splitlines() if line.startswith("| datastore |")), ""
+    ) == card.replace(next(line for line in card.splitlines() if line.startswith("| datastore |")), "")
     assert load(model, drafter=str(output), dtype="float32")[0].datastore is not None
 
 

@@ -4,9 +4,9 @@ a frozen head, the hidden-state loss."""
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import HIDDEN, VOCAB, tiny_drafter
 from training_setup import make_trainer, synthetic_setup
 
+from conftest import HIDDEN, VOCAB, tiny_drafter
 from redrafter_mlx.drafting.drafter import load_drafter
 from redrafter_mlx.errors import UserError
 from redrafter_mlx.training.trainer import drafter_loss, train

@@ -3,8 +3,8 @@ data a drafter can learn at every depth, the tiny base model's hidden states
 for it, and trainers made on them."""
 
 import numpy as np
-from conftest import HIDDEN, VOCAB, tiny_model
 
+from conftest import HIDDEN, VOCAB, tiny_model
 from redrafter_mlx.engine.base_model import BaseModel
 from redrafter_mlx.training.config import TrainConfig
 from redrafter_mlx.training.data import build_draft_vocab, build_positions, compute_hidden_cache

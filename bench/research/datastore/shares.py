@@ -13,12 +13,11 @@ import json
 import numpy as np
 
 import redrafter_mlx  # noqa: F401  (preloads OpenBLAS before mlx.core)
-
 from redrafter_mlx.drafting.datastore import load_datastore
 from redrafter_mlx.errors import UserError
-from redrafter_mlx.training.distill import DataFolder, Sequences
 from redrafter_mlx.training.config import TrainConfig
 from redrafter_mlx.training.data import held_out_sequences
+from redrafter_mlx.training.distill import DataFolder, Sequences
 
 OCCURRENCES = [(1, 2), (2, 4), (4, 16), (16, 128), (128, None)]
 

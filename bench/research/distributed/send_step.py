@@ -24,9 +24,9 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 sys.path.insert(0, ROOT)
 
-import redrafter_mlx  # noqa: E402,F401  (OpenBLAS before mlx)
 import numpy as np  # noqa: E402
 
+import redrafter_mlx  # noqa: E402,F401  (OpenBLAS before mlx)
 from redrafter_mlx.engine import distributed  # noqa: E402
 
 BLOCK = 20  # steps of one kind timed together, kinds alternated

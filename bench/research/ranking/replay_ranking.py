@@ -22,11 +22,10 @@ import argparse
 import json
 from collections import defaultdict
 
-import redrafter_mlx  # noqa: F401  (preloads OpenBLAS before mlx.core)
-
 import mlx.core as mx
 import numpy as np
 
+import redrafter_mlx  # noqa: F401  (preloads OpenBLAS before mlx.core)
 from redrafter_mlx.drafting.beam_search import beam_search
 from redrafter_mlx.drafting.budget import AcceptanceStats
 from redrafter_mlx.drafting.datastore import load_datastore
@@ -34,8 +33,8 @@ from redrafter_mlx.drafting.drafter import load_drafter
 from redrafter_mlx.drafting.lookup import LookupIndex
 from redrafter_mlx.drafting.settings import DraftSettings
 from redrafter_mlx.drafting.tree import beam_drafts, candidate_tree, datastore_drafts, lookup_drafts, prune
-from redrafter_mlx.training.replay import load_greedy_folder
 from redrafter_mlx.training.data import build_positions, cached_positions
+from redrafter_mlx.training.replay import load_greedy_folder
 
 SHIPPED = "redrafter_mlx/drafters/smollm2-135m-instruct"
 
@@ -70,7 +69,6 @@ def accepted_in(tree, target: list) -> tuple[int, list]:
 def oracle_prune(tree, budget: int, path: list):
     """The answer's own path first, then the engine's ranking."""
     on_path = set(path)
-    ranked = sorted(range(1, tree.num_nodes), key=lambda i: (i not in on_path, -tree.probs[i], tree.depths[i], i))
     tree = type(tree)(
         tree.tokens,
         tree.parents,

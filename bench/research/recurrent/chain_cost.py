@@ -30,9 +30,7 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 import redrafter_mlx  # noqa: E402,F401  (OpenBLAS before mlx)
 from conftest import OracleDrafter, mlx_lm_greedy, run, tiny_model  # noqa: E402
-
 from redrafter_mlx.drafting import speculator  # noqa: E402
-from redrafter_mlx.engine import calibrate  # noqa: E402
 from redrafter_mlx.engine.base_model import BaseModel  # noqa: E402
 from redrafter_mlx.engine.prefill import prefill  # noqa: E402
 from redrafter_mlx.engine.types import ReDrafter  # noqa: E402
