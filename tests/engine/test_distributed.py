@@ -60,8 +60,8 @@ distributed.numerics = lambda: "another chip"
 choose, search, calls = decoder.Decoder._choose, decoder.Decoder._search, itertools.count()
 
 def other_choice(self, logits, history):
-    choices, logprobs = choose(self, logits, history)
-    return (choices + 1) % logits.shape[-1], logprobs
+    choices, *rest = choose(self, logits, history)
+    return ((choices + 1) % logits.shape[-1], *rest)
 
 def other_search(self, hidden, first_tokens, length=0):
     beams, probs = search(self, hidden, first_tokens, length)
