@@ -27,12 +27,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import redrafter_mlx  # noqa: E402, F401  (loads OpenBLAS before mlx.core)
+
+# isort: split
 import mlx.core as mx  # noqa: E402
 from mlx.utils import tree_flatten  # noqa: E402
 from mlx_lm.generate import generate_step  # noqa: E402
 from mlx_lm.models import llama  # noqa: E402
 
-import redrafter_mlx  # noqa: E402, F401  (OpenBLAS before mlx.core)
 from redrafter_mlx.drafting.drafter import Drafter, DrafterArgs, save_drafter  # noqa: E402
 from redrafter_mlx.engine.decoder import generate_steps  # noqa: E402
 from redrafter_mlx.loading.loader import load, load_base_model  # noqa: E402

@@ -20,11 +20,13 @@ from pathlib import Path
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+import redrafter_mlx  # noqa: E402, F401  (loads OpenBLAS before mlx.core)
+
+# isort: split
 import mlx.core as mx  # noqa: E402
 from mlx_lm.generate import generate_step  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
-import redrafter_mlx  # noqa: E402,F401  (OpenBLAS before mlx.core)
 from redrafter_mlx.engine.prefill import Prefill  # noqa: E402
 from redrafter_mlx.loading.gguf import gemma3_270m_path  # noqa: E402
 from redrafter_mlx.loading.loader import load  # noqa: E402

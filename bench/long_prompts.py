@@ -31,11 +31,13 @@ from pathlib import Path
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+import redrafter_mlx  # noqa: E402, F401  (loads OpenBLAS before mlx.core)
+
+# isort: split
 import mlx.core as mx  # noqa: E402
 from mlx_lm.generate import generate_step  # noqa: E402
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache  # noqa: E402
 
-import redrafter_mlx  # noqa: E402,F401  (OpenBLAS before mlx.core)
 from redrafter_mlx.engine.decoder import generate_steps  # noqa: E402
 from redrafter_mlx.engine.prefill import prefill  # noqa: E402
 from redrafter_mlx.engine.prompt_cache import PromptCache  # noqa: E402

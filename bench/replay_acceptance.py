@@ -19,10 +19,12 @@ also replayed with N continuations from the drafter's datastore in the tree
 import argparse
 import json
 
+import redrafter_mlx  # noqa: E402, F401  (loads OpenBLAS before mlx.core)
+
+# isort: split
 import mlx.core as mx
 import numpy as np
 
-import redrafter_mlx  # noqa: F401  (preloads OpenBLAS before mlx.core)
 from redrafter_mlx.drafting.datastore import load_datastore
 from redrafter_mlx.drafting.drafter import load_drafter
 from redrafter_mlx.drafting.settings import DraftSettings

@@ -22,10 +22,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import redrafter_mlx  # noqa: E402, F401  (loads OpenBLAS before mlx.core)
+
+# isort: split
 import mlx.core as mx  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
-import redrafter_mlx  # noqa: E402, F401  (OpenBLAS before mlx.core)
 from redrafter_mlx.drafting.settings import DraftSettings  # noqa: E402
 from redrafter_mlx.engine.decoder import Decoder  # noqa: E402
 from redrafter_mlx.engine.profile import StepProfile  # noqa: E402

@@ -77,3 +77,22 @@ def test_no_import_circles():
         if module not in state:
             visit(module, [module])
     assert not circles
+
+
+def test_every_script_loads_openblas_before_mlx():
+    """``import redrafter_mlx`` loads OpenBLAS into MLX's CPU build, which
+    only takes effect before ``mlx.core`` is first imported: a benchmark or
+    script that imports mlx first measures MLX's reference BLAS, about 30x
+    slower. (Import sorting must not move it: ``# isort: split`` keeps it.)"""
+    late = []
+    for path in sorted((Path(ROOT) / "bench").rglob("*.py")) + sorted((Path(ROOT) / "scripts").rglob("*.py")):
+        order = []
+        for node in ast.parse(path.read_text()).body:
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            names += [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            order += [n.split(".")[0] for n in names if n.split(".")[0] in ("mlx", "mlx_lm", "redrafter_mlx")]
+        if "mlx" in order or "mlx_lm" in order:
+            first_mlx = min(order.index(n) for n in ("mlx", "mlx_lm") if n in order)
+            if "redrafter_mlx" not in order[:first_mlx]:
+                late.append(str(path.relative_to(ROOT)))
+    assert not late

@@ -26,7 +26,7 @@ the drafts are made; the defaults size each step by this machine's cost.
 """
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Callable, Iterator, List, Optional, Sequence, Union
 
 import mlx.core as mx
@@ -78,12 +78,11 @@ UNSUPPORTED = {"max_kv_size": None, "kv_bits": None, "input_embeddings": None, "
 IGNORED = ("kv_group_size", "quantized_kv_start", "num_draft_tokens", "stream")  # meaningful only with the above
 
 
-def options(
-    kwargs: dict,
-    allowed=("sampler", "logits_processors", "prompt_cache", "prefill_step_size", "prompt_progress_callback", "draft"),
-) -> Options:
+def options(kwargs: dict, allowed: Optional[set] = None) -> Options:
     """``Options`` from mlx-lm's keyword arguments: one clear error for an
-    argument ReDrafter does not support or does not know."""
+    argument ReDrafter does not support or does not know. allowed: the
+    names taken (default: every field of ``Options``)."""
+    allowed = {f.name for f in fields(Options)} if allowed is None else allowed
     given = dict(kwargs)
     for name, nothing in UNSUPPORTED.items():
         if given.pop(name, nothing) is not nothing:
@@ -284,7 +283,7 @@ def batch_generate(
     given = dict(kwargs)
     batch_size = given.pop("completion_batch_size", 32)
     given.pop("prefill_batch_size", None)
-    chosen = options(given, allowed=("sampler", "logits_processors", "prefill_step_size", "draft"))
+    chosen = options(given, allowed={"sampler", "logits_processors", "prefill_step_size", "draft"})
     if batch_size < 1:
         raise UserError(f"completion_batch_size must be at least 1, got {batch_size}")
     caches = list(prompt_caches) if prompt_caches is not None else [None] * len(prompts)
@@ -311,7 +310,7 @@ def batch_generate(
         choose.logprobs_wanted = 0
     tokens, logprobs, ends = [[] for _ in prompts], [[] for _ in prompts], [[] for _ in prompts]
     stats = BatchStats(prompt_tokens=sum(map(len, prompts)))
-    start = time.perf_counter()
+    start, finished = time.perf_counter(), 0
     for first in range(0, len(prompts), batch_size):
         rows = range(first, min(first + batch_size, len(prompts)))
         tic = time.perf_counter()
@@ -336,11 +335,9 @@ def batch_generate(
                 tokens[i] += out.tokens
                 ends[i] = [out.stop_token] if out.finish_reason == "stop" else []
                 logprobs[i] += [chosen_logprob for chosen_logprob, _ in out.logprobs or ()]
+                finished += out.finish_reason is not None
                 if out.finish_reason is not None and verbose:
-                    print(
-                        f"[batch_generate] Finished processing {sum(1 for t in tokens if t)}/{len(prompts)} ...",
-                        end="\r",
-                    )
+                    print(f"[batch_generate] Finished processing {finished}/{len(prompts)} ...", end="\r")
     stats.wall_time = time.perf_counter() - start
     stats.decode_time = stats.wall_time - stats.prompt_time
     stats.generation_tokens = sum(map(len, tokens))

@@ -19,10 +19,12 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 sys.path.insert(0, ROOT)
 
+import redrafter_mlx  # noqa: E402, F401  (loads OpenBLAS before mlx.core)
+
+# isort: split
 import mlx.core as mx  # noqa: E402
 
 import cli  # noqa: E402
-import redrafter_mlx  # noqa: E402,F401  (OpenBLAS before mlx)
 from redrafter_mlx.engine import distributed  # noqa: E402
 
 

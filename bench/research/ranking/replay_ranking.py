@@ -22,10 +22,12 @@ import argparse
 import json
 from collections import defaultdict
 
+import redrafter_mlx  # noqa: E402, F401  (loads OpenBLAS before mlx.core)
+
+# isort: split
 import mlx.core as mx
 import numpy as np
 
-import redrafter_mlx  # noqa: F401  (preloads OpenBLAS before mlx.core)
 from redrafter_mlx.drafting.beam_search import beam_search
 from redrafter_mlx.drafting.budget import AcceptanceStats
 from redrafter_mlx.drafting.datastore import load_datastore

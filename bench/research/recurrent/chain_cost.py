@@ -21,6 +21,9 @@ import statistics
 import sys
 import time
 
+import redrafter_mlx  # noqa: E402, F401  (loads OpenBLAS before mlx.core)
+
+# isort: split
 import mlx.core as mx
 import numpy as np
 
@@ -28,7 +31,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.a
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
-import redrafter_mlx  # noqa: E402,F401  (OpenBLAS before mlx)
 from conftest import OracleDrafter, mlx_lm_greedy, run, tiny_model  # noqa: E402
 from redrafter_mlx.drafting import speculator  # noqa: E402
 from redrafter_mlx.engine.base_model import BaseModel  # noqa: E402
