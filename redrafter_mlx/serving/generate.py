@@ -183,44 +183,37 @@ def stream_generate(
             tic = time.perf_counter()
         else:
             steps, step_tokens = steps + 1, step_tokens + out.num_accepted + 1
-        distributions = out.distributions
-        for i, token in enumerate(out.tokens):
+        emitted = [
+            (
+                token,
+                None if out.distributions is None else out.distributions[i],
+                out.num_accepted is not None and i < out.num_accepted,
+            )
+            for i, token in enumerate(out.tokens)
+        ]
+        if (
+            out.finish_reason == "stop"
+        ):  # as in mlx-lm, the end-of-sequence token ends the stream in a response of its own
+            emitted.append((out.stop_token, None, False))
+        for n, (token, logprobs, from_draft) in enumerate(emitted):
+            last = out.finish_reason is not None and n == len(emitted) - 1
             produced += 1
             generated.append(token)
-            detokenizer.add_token(token)
-            last = out.finish_reason == "length" and i == len(out.tokens) - 1
+            if not (last and out.finish_reason == "stop"):
+                detokenizer.add_token(token)
             if last:
                 detokenizer.finalize()
             yield GenerationResponse(
                 text=detokenizer.last_segment,
                 token=token,
-                logprobs=None if distributions is None else distributions[i],
-                from_draft=out.num_accepted is not None and i < out.num_accepted,
+                logprobs=logprobs,
+                from_draft=from_draft,
                 prompt_tokens=len(ids),
                 prompt_tps=prompt_tps,
                 generation_tokens=produced,
                 generation_tps=produced / max(time.perf_counter() - tic, 1e-9),
                 peak_memory=mx.get_peak_memory() / 1e9,
-                finish_reason="length" if last else None,
-                steps=steps,
-                step_tokens=step_tokens,
-                cached_tokens=cached,
-            )
-        if out.finish_reason == "stop":
-            produced += 1
-            generated.append(out.stop_token)
-            detokenizer.finalize()
-            yield GenerationResponse(
-                text=detokenizer.last_segment,
-                token=out.stop_token,
-                logprobs=None,
-                from_draft=False,
-                prompt_tokens=len(ids),
-                prompt_tps=prompt_tps,
-                generation_tokens=produced,
-                generation_tps=produced / max(time.perf_counter() - tic, 1e-9),
-                peak_memory=mx.get_peak_memory() / 1e9,
-                finish_reason="stop",
+                finish_reason=out.finish_reason if last else None,
                 steps=steps,
                 step_tokens=step_tokens,
                 cached_tokens=cached,
