@@ -679,7 +679,7 @@ def serve(
     host: Annotated[str, typer.Option(help="address to listen on; 0.0.0.0 serves other machines too")] = "127.0.0.1",
     port: Annotated[int, typer.Option(min=1, max=65535, help="port")] = 8080,
     max_batch: Annotated[int, typer.Option(min=1, help="requests decoded together; more wait their turn")] = 8,
-    max_tokens: max_tokens_option("new tokens for a request that names no max_tokens") = 512,
+    max_tokens: max_tokens_option("new tokens for a chat or completions request that names no max_tokens") = 512,
     max_output_tokens: Annotated[
         Optional[int],
         typer.Option(

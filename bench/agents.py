@@ -24,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -83,14 +84,25 @@ def start_server(model, port: int, extra: list, log: Path) -> subprocess.Popen:
     return process
 
 
+def served_context(url: str):
+    """The served model's context in tokens, from /v1/models (None: unknown)."""
+    with urllib.request.urlopen(url + "/v1/models", timeout=30) as answer:
+        return json.load(answer)["data"][0].get("context_length")
+
+
 def run_agent(agent: str, bin_folder: Path, url: str, question: str, timeout: float) -> dict:
-    """One agent, one question, in a new git folder with a home of its own."""
+    """One agent, one question, in a new git folder with a home of its own,
+    told the served model's context as a user would tell it (neither agent
+    knows a local model's window, and each compacts by it)."""
+    context = served_context(url)
     home = Path(tempfile.mkdtemp(prefix=f"{agent}-home-"))
     work = Path(tempfile.mkdtemp(prefix=f"{agent}-work-"))
     subprocess.run(["git", "init", "-q"], cwd=work, check=True)
     env = dict(os.environ, HOME=str(home))
     if agent == "claude":
         env.update(ANTHROPIC_BASE_URL=url, ANTHROPIC_API_KEY="local")
+        if context:
+            env.update(CLAUDE_CODE_MAX_CONTEXT_TOKENS=str(context))
         command = [str(bin_folder / "claude"), "-p", question, "--model", "local"]
     else:
         codex_home = home / ".codex"
@@ -98,6 +110,7 @@ def run_agent(agent: str, bin_folder: Path, url: str, question: str, timeout: fl
         (codex_home / "config.toml").write_text(
             'model = "local"\nmodel_provider = "redrafter"\n\n[model_providers.redrafter]\nname = "redrafter-mlx"\n'
             f'base_url = "{url}/v1"\nwire_api = "responses"\n'
+            + (f"model_context_window = {context}\n" if context else "")
         )
         env.update(CODEX_HOME=str(codex_home))
         command = [str(bin_folder / "codex"), "exec", question]

@@ -381,12 +381,21 @@ def render_prompt(body: dict, ctx: Context) -> tuple:
 
 def parse_response(body: dict, ctx: Context) -> Job:
     """A Responses request as a ``Job``: the chat route's rendering, tool
-    forcing and sampling fields (``temperature`` 0, greedy, by default), with
-    ``max_output_tokens`` as the limit; ``stop`` is taken too."""
+    forcing and sampling fields, with ``max_output_tokens`` as the limit;
+    ``stop`` is taken too. What a request leaves out is what OpenAI's
+    Responses API takes for it, unlike the chat route (mlx_lm.server's
+    defaults): ``temperature`` 1, and an answer that runs to the end of the
+    model's context, within the server's ``--max-output-tokens``. Codex sends
+    neither."""
     prompt, messages, tools, names, left_out, (allowed, name, required) = render_prompt(body, ctx)
     check_context(prompt, ctx, "input")
     top, logprobs = _logprobs(body)
-    settings = sampling(body, ctx, logprobs=logprobs, forced=forcing(ctx, required, name), prompt_length=len(prompt))
+    settings = sampling(
+        body, ctx, temperature=1.0, logprobs=logprobs, forced=forcing(ctx, required, name), prompt_length=len(prompt)
+    )
+    limit = max_tokens(body, ctx, ("max_output_tokens",))
+    if body.get("max_output_tokens") is None and ctx.max_context:
+        limit = ctx.max_context  # the server's ``_fit`` ends it where the context does
     metadata = body.get("metadata") or {}
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
         raise BadRequest("'metadata' must be an object of strings", "metadata")
@@ -406,7 +415,7 @@ def parse_response(body: dict, ctx: Context) -> Job:
         "names": names,
     }
     return Job(
-        Request(prompt, max_tokens(body, ctx, ("max_output_tokens",)), settings),
+        Request(prompt, limit, settings),
         "responses",
         stop_strings(body.get("stop")),
         flag(body, "stream"),

@@ -89,7 +89,7 @@ def test_a_text_answer_equals_the_chat_routes_with_usage(server, client):
     assert (
         response.store is False
         and response.previous_response_id is None
-        and response.temperature == 0
+        and response.temperature == 1.0  # what OpenAI's API takes where none is sent
         and response.tools == []
     )
     assert response.model_extra["redrafter"]["steps"] >= 1
@@ -125,6 +125,27 @@ def test_max_output_tokens_cuts_the_answer_as_incomplete(client):
     events = events_of(client, input=ASK, max_output_tokens=3)
     assert events[-1].type == "response.incomplete" and events[-1].response.usage.output_tokens == 3
     assert events[-1].response.output_text == response.output_text
+
+
+def test_what_a_request_leaves_out_is_what_openais_api_takes_within_the_servers_bound(tool_model):
+    """Codex names no temperature and no max_output_tokens: the answer is
+    sampled at temperature 1 and runs to the context, cut only by
+    ``--max-output-tokens``; the chat route keeps ``--max-tokens``."""
+    process, url, _ = start_server(
+        "--model", tool_model, "--drafter", "none", "--max-tokens", 2, "--max-output-tokens", 5
+    )
+    try:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
+        response = client.responses.create(model="m", input=ASK)
+        assert response.temperature == 1.0 and response.max_output_tokens is None
+        assert response.status == "incomplete" and response.usage.output_tokens == 5
+        asked = client.responses.create(model="m", input=ASK, max_output_tokens=50, temperature=0)
+        assert asked.usage.output_tokens == 5 and asked.output_text == response.output_text
+        assert client.responses.create(model="m", input=ASK, max_output_tokens=3).usage.output_tokens == 3
+        chat = client.chat.completions.create(model="m", messages=ASK)
+        assert chat.usage.completion_tokens == 2 and chat.choices[0].finish_reason == "length"
+    finally:
+        stop_server(process)
 
 
 def test_a_streamed_answer_comes_in_the_responses_event_order(client):
