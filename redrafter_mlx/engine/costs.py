@@ -119,6 +119,7 @@ class StepCosts:
         self.step_costs = step_costs
         self.measured: dict = {}  # batch size -> its measured (or derived) curve
         self.made: dict = {}  # (batch size, context step) -> (learned version, the curve there)
+        self.keys: dict = {}  # batch size -> its cost key (read from the process's state: made once a size)
         self.learns = fixed is None and sized and learning(redrafter)
         self.plain_since: Optional[tuple] = (
             None  # (when, batch size) the last plain step that issued the next pass read its token
@@ -153,7 +154,10 @@ class StepCosts:
         return self.measured[size]
 
     def learned(self, size: int) -> Learned:
-        return LEARNED.setdefault(calibrate.curve_key(self.redrafter, size), Learned())
+        key = self.keys.get(size)
+        if key is None:
+            key = self.keys[size] = calibrate.curve_key(self.redrafter, size)
+        return LEARNED.setdefault(key, Learned())
 
     def curve(self, batch_size: int, context: int) -> Optional[CostCurve]:
         """The curve a step of ``batch_size`` rows after ``context``
