@@ -146,25 +146,32 @@ def normal_clients(url: str, prompts: list, max_tokens: int, timeout: float = 60
             for prompt in share:
                 body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "temperature": 0}
                 tic = time.perf_counter()
+                steps = {}
                 try:
-                    status = http.post(url + CHAT, json=body).status_code
+                    response = http.post(url + CHAT, json=body)
+                    status = response.status_code
+                    if status == 200:
+                        steps = response.json().get("redrafter", {})
                 except httpx.TimeoutException:
                     status = "timed out"
                 except httpx.TransportError as e:
                     status = f"transport error: {type(e).__name__}"
-                seen.append((time.perf_counter() - tic, status))
+                seen.append((time.perf_counter() - tic, status, steps))
         return seen
 
     with ThreadPoolExecutor(CLIENTS) as pool:
         results = [r for share in pool.map(client, [prompts[i::CLIENTS] for i in range(CLIENTS)]) for r in share]
-    seconds = [s if status == 200 else timeout for s, status in results if status in (200, "timed out")]
+    seconds = [s if status == 200 else timeout for s, status, _ in results if status in (200, "timed out")]
+    per_step = [steps["tokens_per_step"] for _, _, steps in results if steps.get("steps")]
     return {
         "requests": len(results),
-        "answered": sum(1 for _, s in results if s == 200),
-        "timed_out": sum(1 for _, s in results if s == "timed out"),
+        "answered": sum(1 for _, s, _ in results if s == 200),
+        "timed_out": sum(1 for _, s, _ in results if s == "timed out"),
         "median_latency_s": statistics.median(seconds) if seconds else None,
-        "statuses": sorted({str(status) for _, status in results}),
-        "errors_5xx": sum(1 for _, s in results if isinstance(s, int) and s >= 500),
+        "p90_latency_s": statistics.quantiles(seconds, n=10)[-1] if len(seconds) > 1 else None,
+        "median_tokens_per_step": statistics.median(per_step) if per_step else None,
+        "statuses": sorted({str(status) for _, status, _ in results}),
+        "errors_5xx": sum(1 for _, s, _ in results if isinstance(s, int) and s >= 500),
     }
 
 
@@ -280,6 +287,10 @@ def run_load(port, idle, slow, leavers, leaver_words, stop, results) -> None:
 
     threading.Thread(target=watch, daemon=True).start()
     asyncio.run(load(port, idle, slow, leavers, leaver_words, stopping, tally))
+    # Not gone before the stop is set (with no load, the tasks end at once):
+    # a process that exits while its thread waits on the Event leaves the
+    # Event's set() waiting for that thread.
+    stopping.wait()
     results.put(
         {
             "idle_requests": len(tally["idle_statuses"]),
@@ -375,7 +386,12 @@ def main() -> None:
         normal_clients(url, ["Say hello.", "Name a colour."], args.max_tokens)  # warm-up, on prompts no phase asks
         before = {"rss_mb": resident_mb(pid), "fds": open_fds(pid)}
         alone = normal_clients(url, alone_prompts, args.max_tokens)
-        print(f"alone: median latency {alone['median_latency_s']:.2f} s over {alone['answered']} requests", flush=True)
+        print(
+            f"alone: median latency {alone['median_latency_s']:.2f} s (90th percentile {alone['p90_latency_s']:.2f} s) "
+            f"over {alone['answered']} requests, "
+            f"{alone['median_tokens_per_step']} tokens a step",
+            flush=True,
+        )
 
         stop, results = multiprocessing.Event(), multiprocessing.Queue()
         attack = multiprocessing.Process(
@@ -403,8 +419,9 @@ def main() -> None:
         time.sleep(args.ramp)
         loaded = normal_clients(url, loaded_prompts, args.max_tokens, args.timeout)
         print(
-            f"under load: median latency {loaded['median_latency_s']:.2f} s over {loaded['answered']} requests "
-            f"({loaded['timed_out']} timed out at {args.timeout:g} s)",
+            f"under load: median latency {loaded['median_latency_s']:.2f} s (90th percentile {loaded['p90_latency_s']:.2f} s) "
+            f"over {loaded['answered']} requests "
+            f"({loaded['timed_out']} timed out at {args.timeout:g} s), {loaded['median_tokens_per_step']} tokens a step",
             flush=True,
         )
         time.sleep(max(0.0, args.duration - (time.monotonic() - tic)))

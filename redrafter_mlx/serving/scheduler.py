@@ -83,22 +83,38 @@ CLEAR_EVERY = 512
 class PrefillShare:
     """How much of the engine a long prompt's prefill takes while other
     requests decode. A chunk is fed a layer at a time
-    (``Prefill.layers``), one layer per turn of the engine's loop. Alone,
-    the layers follow one another. Beside running requests, each layer is
-    followed by enough of their steps that the prefill takes at most
-    ``share`` of the engine's time (a fifth by default): a long prompt, or
-    a client that sends one and leaves, cannot starve the requests already
-    answering, and one that leaves costs at most a layer's work. A lower
-    share favours the answering requests, a higher one the long prompt's
-    first token. A chunk is never cut into fewer tokens: its size decides
-    the prompt's numbers, which must not depend on what ran beside it."""
+    (``Prefill.layers``), in turns of the engine's loop. Alone, the layers
+    follow one another. Beside running requests, a turn feeds at least one
+    layer, and more while they take less than the share's part of one of
+    the running rows' steps; each turn is followed by enough of their
+    steps that the prefill takes at most ``share`` of the engine's time (a
+    fifth by default). So a long prompt, or a client that sends one and
+    leaves, cannot starve the requests already answering, and one that
+    leaves costs at most a layer's work; a short prompt, whose layers are
+    each far cheaper than a step, is fed in a turn or two, not a layer a
+    step. A lower share favours the answering requests, a higher one the
+    long prompt's first token. A chunk is never cut into fewer tokens: its
+    size decides the prompt's numbers, which must not depend on what ran
+    beside it."""
 
     def __init__(self, share: float = PREFILL_SHARE):
         self.share = share
         self.next_layer = 0.0  # monotonic time before which running requests step instead
+        self.step = 0.0  # seconds the running rows' last step took
 
     def allows(self, decoding: bool) -> bool:
         return not decoding or time.monotonic() >= self.next_layer
+
+    def budget(self, decoding: bool) -> float:
+        """Seconds of layers a turn may feed after its first: none when
+        nothing decodes (turns follow one another, each one layer, so that
+        a client that leaves is noticed and a short request joins)."""
+        if not decoding or self.share >= 1:
+            return 0.0
+        return self.step * self.share / (1 - self.share)
+
+    def stepped(self, seconds: float) -> None:
+        self.step = seconds
 
     def ran(self, seconds: float) -> None:
         self.next_layer = time.monotonic() + seconds * (1 / self.share - 1)
@@ -301,8 +317,11 @@ class Scheduler:
                     self._finish_join(self._begin_join(joining))
                 decoding = not self.ranks.several and any(not t.cancelled for t in self.active.values())
                 if self.coming is not None and self.share.allows(decoding):
-                    self._prefill()
-                self._deliver(self.decoder.step())
+                    self._prefill(decoding)
+                tic = time.monotonic()
+                outputs = self.decoder.step()
+                self.share.stepped(time.monotonic() - tic)
+                self._deliver(outputs)
             except Exception as e:  # one failure must not stop the server
                 self._fail(f"{type(e).__name__}: {e}", joining)
 
@@ -355,18 +374,21 @@ class Scheduler:
         )
         return Coming(tickets, caches, joining)
 
-    def _prefill(self) -> None:
-        """One layer of a chunk of the coming requests' prefill, or, once
-        it is all fed, their first tokens: they join the batch. A model
-        split over ranks is prefilled whole, as the other ranks' ``join``
-        feeds it."""
+    def _prefill(self, decoding: bool) -> None:
+        """A turn of the coming requests' prefill, a layer or more of it
+        (``PrefillShare``), or, once it is all fed, their first tokens:
+        they join the batch. A model split over ranks is prefilled whole,
+        as the other ranks' ``join`` feeds it."""
         coming = self.coming
         prefill = coming.joining.prefill
         if not prefill.done and not self.ranks.several:
-            tic = time.monotonic()
-            coming.feeding = coming.feeding or prefill.layers()
-            if next(coming.feeding, FED) is FED:
-                coming.feeding = None  # that chunk is fed
+            tic, budget = time.monotonic(), self.share.budget(decoding)
+            while True:
+                coming.feeding = coming.feeding or prefill.layers()
+                if next(coming.feeding, FED) is FED:
+                    coming.feeding = None  # that chunk is fed
+                if prefill.done or time.monotonic() - tic >= budget:
+                    break
             self.share.ran(time.monotonic() - tic)
             if coming.feeding is not None or not prefill.done:
                 return

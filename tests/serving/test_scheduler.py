@@ -213,6 +213,46 @@ def test_short_requests_join_while_a_long_prompt_is_prefilled(redrafter, monkeyp
     scheduler.stop()
 
 
+def test_a_short_prompt_is_fed_in_one_turn_while_others_decode_not_a_layer_a_step(redrafter, monkeypatch):
+    """With no long prompt under way, a short request that comes while
+    another decodes is prefilled in the engine's next turn: its layers, far
+    cheaper than a step, do not wait a step each (the model has more than
+    one). It gets what it would alone."""
+    from redrafter_mlx.engine.decoder import Decoder
+
+    assert redrafter.base.num_layers > 1
+    expected = alone(redrafter, PROMPTS[1], 40), alone(redrafter, PROMPTS[2], 4)
+    scheduler = Scheduler(redrafter, (), DraftSettings(max_nodes=0), max_batch=4, prefill_share=0.9)
+    timeline, step, finish_join = [], Decoder.step, Decoder.finish_join
+
+    def stepped(self):
+        if self.tracker.rows:
+            timeline.append("step")
+        return step(self)
+
+    def finishing(self, coming):
+        timeline.append(("join", len(coming.prompts[0])))
+        return finish_join(self, coming)
+
+    monkeypatch.setattr(Decoder, "step", stepped)
+    monkeypatch.setattr(Decoder, "finish_join", finishing)
+    scheduler.start()
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        running = scheduler.submit(Request(PROMPTS[1], 40), loop)
+        first = await asyncio.wait_for(running.events.get(), 60)
+        second = await asyncio.wait_for(running.events.get(), 60)  # it decodes
+        timeline.append("submitted")
+        short = scheduler.submit(Request(PROMPTS[2], 4), loop)
+        return first.tokens + second.tokens + await collect(running), await collect(short)
+
+    assert asyncio.run(main()) == expected
+    after = timeline[timeline.index("submitted") :]
+    assert after.index(("join", len(PROMPTS[2]))) <= 2, after  # at most the step under way, then its turn
+    scheduler.stop()
+
+
 def test_a_long_prefill_takes_at_most_a_fifth_of_the_engine_while_others_decode(redrafter, monkeypatch):
     """A long prompt is fed a layer at a time. Beside a running request,
     each layer's time is followed by four times as much of the running
