@@ -10,8 +10,12 @@ standard-library module, each from another place in it, so the prompt cache
 keeps taking new entries and must free old ones), and streams the client
 drops after the first event. It reports failures (any answer that is not a
 whole 200; a dropped stream is not one), the server's resident memory over
-time, and how much it moved over the second half of the run: a server
-whose memory is bounded levels off, one that leaks keeps climbing.
+time (each sample with the prompt cache's bytes from /metrics), and how
+much it moved over the second half of the run: a server whose memory is
+bounded levels off, one that leaks keeps climbing. Start with 1,500
+requests: the default prompt cache (1,024 MB) fills by about the 420th.
+
+    python3 bench/soak.py --requests 1500 --json bench/results/serving/soak-smollm2-1500.json
 """
 
 import argparse
@@ -33,7 +37,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 
-from server_stress import resident_mb  # noqa: E402
+from server_stress import metrics, resident_mb  # noqa: E402
 from server_throughput import start  # noqa: E402
 
 from redrafter_mlx.serving.prompts import read_prompts  # noqa: E402
@@ -179,11 +183,16 @@ def main() -> None:
     def sample():
         tic = time.perf_counter()
         while not done.is_set():
+            try:  # the prompt cache's bytes, which the memory bound allows for
+                cache = metrics(url).get(("prompt_cache_bytes", ""))
+            except httpx.HTTPError:
+                cache = None
             samples.append(
                 {
                     "seconds": round(time.perf_counter() - tic, 1),
                     "requests": completed[0],
                     "rss": resident_bytes(process.pid),
+                    "prompt_cache_bytes": cache,
                 }
             )
             done.wait(1.0)
