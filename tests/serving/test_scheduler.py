@@ -50,6 +50,23 @@ def serve(scheduler, requests, cancel_first=False):
     return asyncio.run(main())
 
 
+def one_then_another(scheduler, running, later, events_first=1, before=lambda: None):
+    """Submit ``running``, wait for its first ``events_first`` events (it
+    runs), call ``before``, then submit ``later``: every token of each."""
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        ticket = scheduler.submit(running, loop)
+        tokens = []
+        for _ in range(events_first):
+            tokens += (await asyncio.wait_for(ticket.events.get(), 60)).tokens
+        before()
+        second = scheduler.submit(later, loop)
+        return tokens + await collect(ticket), await collect(second)
+
+    return asyncio.run(main())
+
+
 def test_requests_beyond_the_batch_wait_and_each_gets_what_it_would_alone(redrafter):
     scheduler = Scheduler(redrafter, (), DraftSettings(), max_batch=2, cache_bytes=1 << 20)
     scheduler.start()
@@ -94,15 +111,7 @@ def test_a_long_prompt_is_fed_a_chunk_at_a_time_between_steps_and_a_client_that_
     monkeypatch.setattr(Decoder, "step", stepped)
     scheduler.start()
 
-    async def both():
-        loop = asyncio.get_running_loop()
-        running = scheduler.submit(Request(PROMPTS[1], 60), loop)
-        first = await asyncio.wait_for(running.events.get(), 60)  # the short one runs
-        waiting = scheduler.submit(Request(long, 4), loop)
-        tokens = first.tokens + await collect(running)
-        return tokens, await collect(waiting)
-
-    tokens, long_tokens = asyncio.run(both())
+    tokens, long_tokens = one_then_another(scheduler, Request(PROMPTS[1], 60), Request(long, 4))
     assert (tokens, long_tokens) == expected
     assert fed[1:] == [
         299 - 64 * i for i in range(5)
@@ -238,16 +247,10 @@ def test_a_short_prompt_is_fed_in_one_turn_while_others_decode_not_a_layer_a_ste
     monkeypatch.setattr(Decoder, "finish_join", finishing)
     scheduler.start()
 
-    async def main():
-        loop = asyncio.get_running_loop()
-        running = scheduler.submit(Request(PROMPTS[1], 40), loop)
-        first = await asyncio.wait_for(running.events.get(), 60)
-        second = await asyncio.wait_for(running.events.get(), 60)  # it decodes
-        timeline.append("submitted")
-        short = scheduler.submit(Request(PROMPTS[2], 4), loop)
-        return first.tokens + second.tokens + await collect(running), await collect(short)
-
-    assert asyncio.run(main()) == expected
+    answers = one_then_another(
+        scheduler, Request(PROMPTS[1], 40), Request(PROMPTS[2], 4), 2, lambda: timeline.append("submitted")
+    )
+    assert answers == expected
     after = timeline[timeline.index("submitted") :]
     assert after.index(("join", len(PROMPTS[2]))) <= 2, after  # at most the step under way, then its turn
     scheduler.stop()
@@ -285,14 +288,7 @@ def test_a_long_prefill_takes_at_most_a_fifth_of_the_engine_while_others_decode(
     monkeypatch.setattr(Decoder, "step", slow_step)
     scheduler.start()
 
-    async def both():
-        loop = asyncio.get_running_loop()
-        running = scheduler.submit(Request(PROMPTS[1], 300), loop)
-        first = await asyncio.wait_for(running.events.get(), 60)
-        waiting = scheduler.submit(Request(long, 4), loop)
-        return first.tokens + await collect(running), await collect(waiting)
-
-    assert asyncio.run(both()) == expected
+    assert one_then_another(scheduler, Request(PROMPTS[1], 300), Request(long, 4)) == expected
     beside = [(a, b) for a, b, decoding in spans if decoding][2:]  # after the short prompt's own layers
     assert len(beside) >= 6
     gaps = [(start - end) / (end - begin) for (begin, end), (start, _) in zip(beside, beside[1:])]
