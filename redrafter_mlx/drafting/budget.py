@@ -45,10 +45,27 @@ class AcceptanceStats:
         self.kept_depths: deque = deque(maxlen=KEPT_SEARCHES)
 
     def _prior(self, key) -> tuple[float, float]:
+        """A key's (ratio, weight) before its own observations: the earlier
+        runs' (``priors``); else, for a copy (lookup, datastore, earlier
+        answers) at a depth not seen yet, the ratio its source showed at the
+        deepest shallower depth seen, since a copy that is right tends to
+        stay right (the default prior would halve each deeper node's
+        estimate, and a long copy would be verified a node deeper every few
+        steps only); else the source's default."""
         if key in self.priors:
             return self.priors[key]
-        source = key[0]
-        return self.PRIORS[source.rstrip("0123456789")]  # lookup3 -> lookup
+        source, default = key[0], self.PRIORS[key[0].rstrip("0123456789")]  # lookup3 -> lookup
+        if source != "rnn" and len(key) > 1:
+            for depth in range(key[1] - 1, 0, -1):
+                shallower = (source, depth, *key[2:])
+                if shallower in self.priors or self.predicted.get(shallower):
+                    ratio, weight = self._prior(shallower)
+                    return (
+                        (ratio * weight + self.accepted.get(shallower, 0.0))
+                        / (weight + self.predicted.get(shallower, 0.0)),
+                        default[1],
+                    )
+        return default
 
     def as_prior(self, weight: float) -> "AcceptanceStats":
         """Fresh statistics whose priors are these ratios (prior included),

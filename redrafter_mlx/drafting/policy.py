@@ -69,6 +69,17 @@ class RnnSwitch:
         if without_rnn:
             self.on = False
 
+    def retry(self) -> None:
+        """Drafting starts again (after a rest of plain steps, or for a new
+        prompt): the RNN drafts with it, judged afresh by the steps that
+        follow. A run that turned the RNN off and then rested would
+        otherwise retry with the cheap drafts alone, which may be the very
+        drafts that were not accepted, and never search again: its retries
+        are counted in drafting steps, which a resting run does not plan."""
+        if self.usable:
+            self.on, self.steps_off = True, 0
+            self.measured["rnn"] = None
+
     def rate(self, mode: str) -> Optional[float]:
         """Tokens per curve second of the steps verified with (``"rnn"``) or
         without (``"lookup"``) the RNN's beams: measured once such steps
@@ -126,10 +137,13 @@ class Backoff:
         """Whether steps decode plainly until the next retry."""
         return self.plain_left > 0
 
-    def plain_step(self) -> None:
-        """A plain step was planned: one fewer before the next retry."""
-        if self.plain_left:
-            self.plain_left -= 1
+    def plain_step(self) -> bool:
+        """A plain step was planned: one fewer before the next retry.
+        Returns whether the rest ends with it (the next step retries)."""
+        if not self.plain_left:
+            return False
+        self.plain_left -= 1
+        return self.plain_left == 0
 
     def verified(self, anything: bool) -> None:
         """A drafting step was planned; ``anything``: the budget kept nodes

@@ -179,8 +179,10 @@ class Speculator:
 
     def track(self, row: int, context: list, sampled: bool = False) -> None:
         """A prompt joins: it drafts from ``context``. A new prompt is a new
-        chance for drafting, so the back-off of earlier retries starts over."""
+        chance for drafting: the back-off of earlier retries starts over, and
+        the RNN drafts again if it was turned off."""
         self.backoff.restart()
+        self.rnn.retry()
         self.contexts[row] = context
         self.kinds[row] = "sampled" if sampled else "greedy"
         if self.settings.lookup:
@@ -262,7 +264,8 @@ class Speculator:
             if any(t.num_nodes > 1 for t in trees):
                 return ("rnn" if beams is not None else "lookup"), trees, False
         if ahead or self.mode == "plain":
-            self.backoff.plain_step()
+            if self.backoff.plain_step():  # the next step retries, the RNN's beams (searched in this one) with it
+                self.rnn.retry()
             return "plain", None, may_run_ahead and self.mode == "plain" and not self._probing(cost, self.steps + 1)
         choice = self._choose_trees(rows, roots, beams, cost)
         self.rnn.drafted(choice.lookup_rate, choice.without_rnn)

@@ -65,6 +65,29 @@ def test_earlier_statistics_become_a_prior_of_bounded_weight():
     assert earlier.predicted[("rnn", 1)] == pytest.approx(80)  # the earlier statistics are left as they were
 
 
+def test_a_copy_at_a_depth_not_seen_yet_starts_from_the_deepest_depth_seen():
+    """A lookup right at depths 1 and 2 is expected right as often deeper,
+    not at the default prior's half a node (a long copy would otherwise be
+    verified a node deeper every few steps only). The kind of row, the
+    matched length and the RNN each keep their own."""
+    stats = AcceptanceStats()
+    for depth in (1, 2):
+        for _ in range(8):
+            stats.observe(("lookup3", depth, "greedy"), 1.0, True)
+    first = (0.5 * 2 + 8) / (2 + 8)  # the default prior, then 8 of 8
+    seen = (first * 2 + 8) / (2 + 8)  # depth 2's prior was depth 1's ratio
+    assert stats.estimate(("lookup3", 1, "greedy"), 1.0) == pytest.approx(first)
+    assert stats.estimate(("lookup3", 2, "greedy"), 1.0) == pytest.approx(seen)
+    assert stats.estimate(("lookup3", 5, "greedy"), 1.0) == pytest.approx(seen)
+    stats.observe(("lookup3", 5, "greedy"), 1.0, False)  # its own observations then count, from that prior
+    assert stats.estimate(("lookup3", 5, "greedy"), 1.0) == pytest.approx(seen * 2 / 3)
+    assert stats.estimate(("lookup3", 4, "sampled"), 1.0) == pytest.approx(0.5)
+    assert stats.estimate(("lookup2", 3, "greedy"), 1.0) == pytest.approx(0.5)
+    for _ in range(8):
+        stats.observe(("rnn", 1, "greedy"), 0.8, False)
+    assert stats.estimate(("rnn", 2, "greedy"), 0.8) == pytest.approx(0.8)
+
+
 def test_a_step_observes_the_children_of_accepted_nodes_only():
     stats = AcceptanceStats()
     tree = candidate_tree(

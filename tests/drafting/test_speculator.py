@@ -113,6 +113,28 @@ def test_the_rnn_is_turned_off_when_its_drafts_are_accepted_less_than_estimated(
     assert speculator.rnn.rate("lookup") > speculator.rnn.rate("rnn")
 
 
+def test_a_retry_after_a_rest_drafts_with_the_rnn_again():
+    """The RNN was turned off, then the cheap drafts stopped being accepted
+    too, and the run rests. The plain step that ends the rest searches, and
+    the retry verifies the RNN's beams: where the context changed, they may
+    be what pays now (its retries are otherwise counted in drafting steps,
+    which a resting run does not plan)."""
+    cost = CostCurve([1, 32], [1.0, 1.0], draft_seconds=0.1)
+    speculator = tracking(DraftSettings(beam_width=1, beam_length=3), True, [[3, 4, 3, 4, 3]])
+    beams = beams_for(3, [[9, 9]], 0.9)
+    speculator.rnn.on = False
+    for _ in range(4 * WINDOW):
+        if speculator.backoff.resting:
+            break
+        run_steps(speculator, 3, None, cost, accepted=0, steps=1)  # the cheap drafts, never accepted
+    assert speculator.backoff.resting and not speculator.rnn.on
+    searched = []
+    rest = speculator.backoff.plain_left
+    modes = run_steps(speculator, 3, beams, cost, accepted=2, steps=rest + 1, searched=searched)
+    assert modes == ["plain"] * rest + ["rnn"] and searched == [False] * rest + [True]
+    assert speculator.rnn.on
+
+
 @pytest.mark.parametrize("estimates", ["high", "honest"])
 def test_a_run_whose_drafts_are_not_accepted_turns_to_plain_decoding_and_retries_less_and_less(estimates):
     """Nothing drafted is accepted: whether the estimates fall or stay high
