@@ -137,6 +137,12 @@ class Backoff:
         """Whether steps decode plainly until the next retry."""
         return self.plain_left > 0
 
+    @property
+    def testing(self) -> bool:
+        """Whether the next drafting step is a retry's first (it verifies
+        something whatever the budget says: a retry is a test)."""
+        return self.retrying and not self.plain_left and not self.window and not self.idle
+
     def plain_step(self) -> bool:
         """A plain step was planned: one fewer before the next retry.
         Returns whether the rest ends with it (the next step retries)."""

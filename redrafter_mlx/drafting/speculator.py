@@ -55,7 +55,7 @@ from .tree import (
 EXPLORE_STEPS = 8  # every this many steps, verify one node more than the budget chose
 CARRIED_WEIGHT = 4.0  # predicted mass (a few steps' worth) that earlier runs' statistics weigh as
 PROBE_STEPS = 32  # where the curve's trees are a guess, one step in this many verifies a small tree
-PROBE_NODES = 4  # the nodes per row of such a step
+PROBE_NODES = 4  # the nodes per row of such a step, and of a retry's first step when the budget keeps none
 
 Mode = Literal["plain", "rnn", "lookup"]
 
@@ -269,6 +269,14 @@ class Speculator:
             return "plain", None, may_run_ahead and self.mode == "plain" and not self._probing(cost, self.steps + 1)
         choice = self._choose_trees(rows, roots, beams, cost)
         self.rnn.drafted(choice.lookup_rate, choice.without_rnn)
+        if choice.trees is None and self.backoff.testing:
+            # A retry the budget would leave empty would learn nothing, and
+            # the statistics that make every tree look dear (earlier
+            # prompts', maybe) would never meet this prompt's drafts.
+            trees = tuple(prune(t, PROBE_NODES) for t in self._candidate_trees(rows, roots, beams))
+            if self._could_pay(trees, cost, beams is not None):
+                self.backoff.verified(True)
+                return ("rnn" if beams is not None else "lookup"), trees, False
         self.backoff.verified(choice.trees is not None)
         if choice.trees is None:  # nothing worth verifying: this step decodes plainly
             return "plain", None, False
@@ -313,6 +321,15 @@ class Speculator:
             and self.settings.max_nodes != 0
             and step % PROBE_STEPS == 0
         )
+
+    @staticmethod
+    def _could_pay(trees: tuple, cost, searched: bool) -> bool:
+        """Whether verifying ``trees`` would beat plain steps if every row's
+        deepest draft were accepted (a test that cannot pay is not run)."""
+        if cost is None or all(t.num_nodes == 1 for t in trees):
+            return False
+        seconds = cost(max(t.num_nodes for t in trees)) + cost.step_seconds + (cost.draft_seconds if searched else 0.0)
+        return sum(1 + max(t.depths) for t in trees) / seconds > len(trees) / cost.plain
 
     @staticmethod
     def _predicted(cost, trees: Optional[tuple], search: bool) -> float:

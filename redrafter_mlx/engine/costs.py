@@ -34,6 +34,7 @@ PLAIN = -1  # the kind of a pipelined plain token
 CONTEXT_BUCKET = 256  # contexts up to this share a bucket; each bucket after it doubles
 MEMORY = 0.7  # weight of the past in a running ratio
 CLIP = (0.1, 10.0)  # a step's ratio is taken within these bounds (a pause of the process is not the machine)
+REACH = 1.5  # one step's ratio counts at most this factor away from the running ratio
 MEASURED_BATCH = 1  # the batch size measured when a decoder starts; others start from it
 SHORT_GAP = 0.25  # a pipelined plain token is timed when the caller's work between two steps was under this share of it
 
@@ -58,10 +59,18 @@ class Learned:
         self.version = 0  # bumped on every change: curves made from older ratios are made again
 
     def add(self, context: int, kind: int, ratio: float) -> None:
+        """One step's seconds over the curve's. A step unlike the ones before
+        it (a pipelined token whose pass ran while the step before it waited,
+        a step that met another process's burst) moves the running ratio by
+        a bounded factor: steps that keep showing a new cost still reach it
+        within a few steps, and one odd step cannot halve a price."""
         key = (context_bucket(context), kind)
         value = math.log(min(max(ratio, CLIP[0]), CLIP[1]))
         past = self.ratios.get(key)
-        self.ratios[key] = value if past is None else MEMORY * past + (1 - MEMORY) * value
+        if past is not None:
+            reach = math.log(REACH)
+            value = MEMORY * past + (1 - MEMORY) * min(max(value, past - reach), past + reach)
+        self.ratios[key] = value
         self.version += 1
 
     def seen_trees(self, context: int) -> bool:

@@ -9,7 +9,7 @@ from redrafter_mlx.drafting.budget import AcceptanceStats
 from redrafter_mlx.drafting.cost import CostCurve
 from redrafter_mlx.drafting.policy import PLAIN_STEPS, RESHAPE_STEPS, WINDOW
 from redrafter_mlx.drafting.settings import DraftSettings
-from redrafter_mlx.drafting.speculator import Beams, Speculator
+from redrafter_mlx.drafting.speculator import CARRIED_WEIGHT, Beams, Speculator
 
 
 def beams_for(root, drafted, probs):
@@ -196,6 +196,24 @@ def test_a_run_starts_from_what_earlier_runs_accepted():
 
     assert first_plan(None).trees[0].num_nodes > 1
     assert first_plan(history).mode == "plain"
+
+
+def test_a_retry_verifies_a_small_tree_where_earlier_runs_make_every_tree_look_dear():
+    """Earlier runs of the drafter were never right, so a new prompt's
+    budget keeps no node and the run rests. Its retries still verify a
+    small tree each: this prompt's drafts are right, and once that is seen
+    the run drafts on (an empty retry would learn nothing, and the run
+    would stay plain for good)."""
+    cost = CostCurve([1, 2, 32], [1.0, 1.5, 3.0])
+    beams = beams_for(3, [[9, 9]], 0.9)
+    history = AcceptanceStats()
+    earlier = Speculator(DraftSettings(beam_width=1, beam_length=3, lookup=False, max_nodes=2), True, history)
+    run_steps(earlier, 3, beams, None, accepted=0)
+    speculator = tracking(DraftSettings(beam_width=1, beam_length=3, lookup=False), True, [[1, 2, 3]])
+    speculator.stats = history.as_prior(CARRIED_WEIGHT)
+    modes = run_steps(speculator, 3, beams, cost, accepted=2, steps=6 * PLAIN_STEPS)
+    assert modes[:PLAIN_STEPS] == ["plain"] * PLAIN_STEPS
+    assert modes[-PLAIN_STEPS:] == ["rnn"] * PLAIN_STEPS
 
 
 def test_without_a_drafter_only_lookup_drafts():

@@ -31,6 +31,16 @@ def test_a_ratio_not_seen_is_its_contexts_nearest_kinds_then_a_shorter_contexts(
     assert learned.ratio(3000, node_kind(8)) < 10.0  # a pause of the process is not the machine
 
 
+def test_one_odd_step_moves_a_price_by_a_bounded_factor_and_steady_steps_reach_theirs():
+    learned = Learned()
+    learned.add(7000, PLAIN, 1.0)
+    learned.add(7000, PLAIN, 0.13)  # a pipelined token whose pass ran while the step before it waited
+    assert learned.ratio(7000, PLAIN) > 0.85
+    for _ in range(12):  # the machine did get faster
+        learned.add(7000, PLAIN, 0.5)
+    assert learned.ratio(7000, PLAIN) == pytest.approx(0.5, rel=0.05)
+
+
 def test_steps_faster_than_the_curve_never_make_a_pass_free():
     curve = CostCurve([1, 2, 4], [0.001, 0.0012, 0.0015], 0.0005, 0.002, 0.001)  # a fixed cost larger than a pass
     learned = Learned()
