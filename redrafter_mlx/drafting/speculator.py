@@ -126,11 +126,13 @@ class TreeChoice(NamedTuple):
     trees: one per row, or None when the budget keeps no node; lookup_rate:
     the tokens per curve second the cheap drafts alone were estimated to
     bring, when they were judged; without_rnn: the beams were not worth
-    their search and the cheap drafts alone are verified."""
+    their search and the cheap drafts alone are verified; candidates: per
+    row, the whole tree of its drafts the budget chose from."""
 
     trees: Optional[tuple]
     lookup_rate: Optional[float] = None
     without_rnn: bool = False
+    candidates: tuple = ()
 
 
 class Speculator:
@@ -273,7 +275,7 @@ class Speculator:
             # A retry the budget would leave empty would learn nothing, and
             # the statistics that make every tree look dear (earlier
             # prompts', maybe) would never meet this prompt's drafts.
-            trees = tuple(prune(t, PROBE_NODES) for t in self._candidate_trees(rows, roots, beams))
+            trees = tuple(prune(t, PROBE_NODES) for t in choice.candidates)
             if self._could_pay(trees, cost, beams is not None):
                 self.backoff.verified(True)
                 return ("rnn" if beams is not None else "lookup"), trees, False
@@ -352,7 +354,9 @@ class Speculator:
         drafts = self._drafts(rows, beams)
         candidates = [self._candidates(root, d) for root, d in zip(roots, drafts)]
         if self.forced:
-            return TreeChoice(tuple(prune(t, self.settings.max_nodes) for t in candidates))
+            return TreeChoice(
+                tuple(prune(t, self.settings.max_nodes) for t in candidates), candidates=tuple(candidates)
+            )
         gains = [most_likely_nodes(t) for t in candidates]
         extra = cost.step_seconds + (cost.draft_seconds if beams is not None else 0.0)
         count, _ = best_node_count(gains, cost, max(map(len, gains)), extra, plain_seconds=cost.plain)
@@ -374,8 +378,10 @@ class Speculator:
                 # The beams are not worth their search, the cheap drafts are
                 # worth their pass: this step goes without them, and so do
                 # the next ones until the RNN is tried again.
-                return TreeChoice(tuple(prune(t, cheap_count) for t in cheap), rate, without_rnn=True)
-        return TreeChoice(None if count == 0 else tuple(prune(t, count) for t in candidates), rate)
+                return TreeChoice(tuple(prune(t, cheap_count) for t in cheap), rate, True, tuple(candidates))
+        return TreeChoice(
+            None if count == 0 else tuple(prune(t, count) for t in candidates), rate, False, tuple(candidates)
+        )
 
     def _drafts(self, rows: list, beams: Optional[Beams]) -> list:
         """Per row, its drafts: the RNN's beams (when it searched) and the cheap ones."""
