@@ -1,7 +1,7 @@
 """Whether clients that hold connections, send slowly or walk away can
 starve the others: `redrafter-mlx serve` (its default settings, the
-embedded model unless --model) answers 8 normal clients alone, then again
-while these are all active at once:
+embedded model unless --model) answers 8 normal clients alone, then the
+same questions again while these are all active at once:
 
 - --idle keep-alive connections: each asks GET /health, then stays open
   and idle until the server closes it (30 s after the answer), and opens
@@ -28,7 +28,10 @@ running or waiting once the load stops, how long that took, and the
 prompt cache's bytes from /metrics within its bound), the server's
 resident memory (VmRSS) and open descriptors before, at their peak during
 the load, and after. The load runs in a process of its own (asyncio), so
-that the normal clients' timings are not its Python's.
+that the normal clients' timings are not its Python's. Both phases ask the
+same questions, greedy, so that they do the same work (reported: whether
+the answers were the same); the answer store is off, so that the second
+phase cannot draft from the first one's answers.
 """
 
 import argparse
@@ -151,7 +154,8 @@ def normal_clients(url: str, prompts: list, max_tokens: int, timeout: float = 60
                     response = http.post(url + CHAT, json=body)
                     status = response.status_code
                     if status == 200:
-                        steps = response.json().get("redrafter", {})
+                        answer = response.json()
+                        steps = dict(answer.get("redrafter", {}), text=answer["choices"][0]["message"]["content"])
                 except httpx.TimeoutException:
                     status = "timed out"
                 except httpx.TransportError as e:
@@ -159,8 +163,10 @@ def normal_clients(url: str, prompts: list, max_tokens: int, timeout: float = 60
                 seen.append((time.perf_counter() - tic, status, steps))
         return seen
 
+    shares = [prompts[i::CLIENTS] for i in range(CLIENTS)]
+    order = [p for share in shares for p in share]
     with ThreadPoolExecutor(CLIENTS) as pool:
-        results = [r for share in pool.map(client, [prompts[i::CLIENTS] for i in range(CLIENTS)]) for r in share]
+        results = [r for share in pool.map(client, shares) for r in share]
     seconds = [s if status == 200 else timeout for s, status, _ in results if status in (200, "timed out")]
     per_step = [steps["tokens_per_step"] for _, _, steps in results if steps.get("steps")]
     return {
@@ -172,6 +178,7 @@ def normal_clients(url: str, prompts: list, max_tokens: int, timeout: float = 60
         "median_tokens_per_step": statistics.median(per_step) if per_step else None,
         "statuses": sorted({str(status) for _, status, _ in results}),
         "errors_5xx": sum(1 for _, s, _ in results if isinstance(s, int) and s >= 500),
+        "answers": {prompt: steps.get("text") for prompt, (_, _, steps) in zip(order, results)},
     }
 
 
@@ -364,20 +371,16 @@ def main() -> None:
         "--no-access-log",
         "--prompt-cache-mb",
         str(args.prompt_cache_mb),
+        "--answer-store-mb",  # off, so that the loaded phase cannot draft from the answers of the phase alone
+        "0",
     ]
     command += ["--model", args.model] if args.model else []
     command += ["--read-timeout", str(args.read_timeout)] if args.read_timeout else []
     command += ["--prefill-share", str(args.prefill_share)] if args.prefill_share else []
-    needed = 2 * CLIENTS * args.requests
+    needed = CLIENTS * args.requests
     if needed > len(THINGS):
-        sys.exit(
-            f"--requests {args.requests}: two phases of {CLIENTS} clients need {needed} prompts; {len(THINGS)} are written here"
-        )
-    prompts = [f"In one sentence, what is {thing}?" for thing in THINGS]
-    alone_prompts, loaded_prompts = (
-        prompts[: needed // 2],
-        prompts[needed // 2 : needed],
-    )  # each phase its own (the answer store)
+        sys.exit(f"--requests {args.requests}: {CLIENTS} clients need {needed} prompts; {len(THINGS)} are written here")
+    prompts = [f"In one sentence, what is {thing}?" for thing in THINGS][:needed]
 
     log = tempfile.NamedTemporaryFile("w", prefix="server-stress-", suffix=".log", delete=False)
     process, url, port = start(command, env, log)
@@ -385,7 +388,7 @@ def main() -> None:
     try:
         normal_clients(url, ["Say hello.", "Name a colour."], args.max_tokens)  # warm-up, on prompts no phase asks
         before = {"rss_mb": resident_mb(pid), "fds": open_fds(pid)}
-        alone = normal_clients(url, alone_prompts, args.max_tokens)
+        alone = normal_clients(url, prompts, args.max_tokens)
         print(
             f"alone: median latency {alone['median_latency_s']:.2f} s (90th percentile {alone['p90_latency_s']:.2f} s) "
             f"over {alone['answered']} requests, "
@@ -417,7 +420,7 @@ def main() -> None:
         sampler = threading.Thread(target=sample, daemon=True)
         sampler.start()
         time.sleep(args.ramp)
-        loaded = normal_clients(url, loaded_prompts, args.max_tokens, args.timeout)
+        loaded = normal_clients(url, prompts, args.max_tokens, args.timeout)
         print(
             f"under load: median latency {loaded['median_latency_s']:.2f} s (90th percentile {loaded['p90_latency_s']:.2f} s) "
             f"over {loaded['answered']} requests "
@@ -479,11 +482,13 @@ def main() -> None:
         "alone": alone,
         "under_load": loaded,
         "latency_ratio": ratio,
+        "same_answers": alone["answers"] == loaded["answers"],
         "errors_5xx_seen": errors_seen,
         "errors_5xx_server": server_5xx(rows),
         "load_results": load_results,
         "idle_after_s": idle_after_s,
         "health_after": health,
+        "prefill_share_after": rows.get(("prefill_share", "")),
         "prompt_cache_bytes": cache_bytes,
         "prompt_cache_bound_bytes": args.prompt_cache_mb * 2**20,
         "memory_and_fds": {"before": before, "peak": peak, "after": after},
@@ -492,7 +497,7 @@ def main() -> None:
     freed = health["running"] == 0 and health["waiting"] == 0
     print(
         f"median latency under load / alone: {ratio:.2f}x (goal <= 1.2x); 5xx seen {errors_seen}, counted by the server "
-        f"{summary['errors_5xx_server']} (goal 0)"
+        f"{summary['errors_5xx_server']} (goal 0); the same answers alone and under load: {summary['same_answers']}"
     )
     print(
         f"every abandoned request freed: {freed} ({idle_after_s:.1f} s after the load stopped); prompt cache {cache_bytes / 2**20:.1f} MB "

@@ -27,6 +27,8 @@ GAUGES = {
     "requests_waiting": "Requests waiting for a place in the batch.",
     "prompt_cache_bytes": "Bytes of keys and values in the prompt-cache store.",
     "connections_open": "HTTP connections open, idle ones included.",
+    "prefill_share": "The part of the engine a long prefill may take beside running requests now "
+    "(lower where clients leave before theirs end).",
 }
 
 

@@ -74,6 +74,8 @@ class Coming:
 
 PREFILL_SHARE = 0.2  # of the engine's time, a long prefill's at most while other requests decode
 FED = object()  # what ``Prefill.layers`` gives once its chunk is fed
+MIN_KEPT = 0.1  # the least part of the prefill share left where clients keep leaving (``PrefillShare.current``)
+KEPT_DECAY = 0.8  # the weight of the prefills before, each time one ends
 
 # Steps between two clears of MLX's cache of freed buffers, which would
 # otherwise keep every size it has held (as mlx-lm's batch generator does).
@@ -95,12 +97,33 @@ class PrefillShare:
     step. A lower share favours the answering requests, a higher one the
     long prompt's first token. A chunk is never cut into fewer tokens: its
     size decides the prompt's numbers, which must not depend on what ran
-    beside it."""
+    beside it.
+
+    Prefill whose clients leave before it ends is work thrown away. Where
+    that is most of the recent prefill work (clients that time out and send
+    their long prompts again, or a hostile load), the share beside running
+    requests falls with the part of that work that was kept, to a tenth of
+    it at least (``current``). The prefill under way counts as kept while
+    its clients stay, so a long prompt whose client waits earns its share
+    back as it is fed, and prefills that end with their requests joining
+    raise it for the next. Alone, a prefill still takes the whole engine."""
 
     def __init__(self, share: float = PREFILL_SHARE):
         self.share = share
         self.next_layer = 0.0  # monotonic time before which running requests step instead
         self.step = 0.0  # seconds the running rows' last step took
+        self.spent = 0.0  # seconds of layers fed to the prefill under way
+        self.fed = 0.0  # recent prefills' seconds, each older one weighed down by KEPT_DECAY
+        self.kept = 0.0  # the part of ``fed`` whose requests joined
+
+    @property
+    def current(self) -> float:
+        """The share beside running requests: ``share`` times the part of
+        recent prefill work that was kept (the one under way's so far
+        included), at least a tenth of it."""
+        if self.share >= 1 or not self.fed:
+            return self.share
+        return self.share * max((self.kept + self.spent) / (self.fed + self.spent), MIN_KEPT)
 
     def allows(self, decoding: bool) -> bool:
         return not decoding or time.monotonic() >= self.next_layer
@@ -109,15 +132,24 @@ class PrefillShare:
         """Seconds of layers a turn may feed after its first: none when
         nothing decodes (turns follow one another, each one layer, so that
         a client that leaves is noticed and a short request joins)."""
-        if not decoding or self.share >= 1:
+        share = self.current
+        if not decoding or share >= 1:
             return 0.0
-        return self.step * self.share / (1 - self.share)
+        return self.step * share / (1 - share)
 
     def stepped(self, seconds: float) -> None:
         self.step = seconds
 
     def ran(self, seconds: float) -> None:
-        self.next_layer = time.monotonic() + seconds * (1 / self.share - 1)
+        self.spent += seconds
+        self.next_layer = time.monotonic() + seconds * (1 / self.current - 1)
+
+    def ended(self, joined: bool) -> None:
+        """The prefill under way ended: its requests joined the batch, or
+        their clients left first."""
+        self.fed = self.fed * KEPT_DECAY + self.spent
+        self.kept = self.kept * KEPT_DECAY + (self.spent if joined else 0.0)
+        self.spent = 0.0
 
 
 class Refused(Exception):
@@ -299,6 +331,7 @@ class Scheduler:
                 self._remember(row)
             self.decoder.leave(leaving)
             if self.coming is not None and all(t.cancelled for t in self.coming.tickets):
+                self.share.ended(joined=False)
                 for (
                     ticket
                 ) in self.coming.tickets:  # their clients went away: the prefill stops here, and its memory goes
@@ -393,6 +426,7 @@ class Scheduler:
             if coming.feeding is not None or not prefill.done:
                 return
         self.coming = None
+        self.share.ended(joined=any(not t.cancelled for t in coming.tickets))
         self._finish_join(coming)
 
     def _finish_join(self, coming: Coming) -> None:

@@ -458,6 +458,7 @@ class Server:
                 "requests_waiting": health["waiting"],
                 "prompt_cache_bytes": self.scheduler.store.nbytes,
                 "connections_open": len(self.connections),
+                "prefill_share": self.scheduler.share.current,
             }
 
         return PlainTextResponse(self.metrics.text(gauges), media_type="text/plain; version=0.0.4")

@@ -218,6 +218,7 @@ def test_metrics_parse_as_prometheus_text_and_move_as_requests_run(server, clien
     key = 'redrafter_requests_total{endpoint="/v1/chat/completions",status="200"}'
     assert after[key] == before.get(key, 0) + 1
     assert {"redrafter_requests_running", "redrafter_requests_waiting", "redrafter_prompt_cache_bytes"} <= set(after)
+    assert 0 < after["redrafter_prefill_share"] <= 0.2  # the default share, lower only where clients left prefills
 
 
 def test_a_prompt_over_the_context_is_refused_as_agent_clients_expect(server, client, claude):
