@@ -107,10 +107,11 @@ def run_agent(agent: str, bin_folder: Path, url: str, question: str, timeout: fl
     else:
         codex_home = home / ".codex"
         codex_home.mkdir()
-        (codex_home / "config.toml").write_text(
-            'model = "local"\nmodel_provider = "redrafter"\n\n[model_providers.redrafter]\nname = "redrafter-mlx"\n'
-            f'base_url = "{url}/v1"\nwire_api = "responses"\n'
+        (codex_home / "config.toml").write_text(  # the window is a top-level key, before the provider's table
+            'model = "local"\nmodel_provider = "redrafter"\n'
             + (f"model_context_window = {context}\n" if context else "")
+            + '\n[model_providers.redrafter]\nname = "redrafter-mlx"\n'
+            f'base_url = "{url}/v1"\nwire_api = "responses"\n'
         )
         env.update(CODEX_HOME=str(codex_home))
         command = [str(bin_folder / "codex"), "exec", question]
