@@ -181,7 +181,7 @@ from redrafter_mlx.engine import calibrate
 from redrafter_mlx.engine.base_model import BaseModel
 from redrafter_mlx.drafting.settings import DraftSettings
 from redrafter_mlx.engine.types import ReDrafter
-from redrafter_mlx.serving.scheduler import PrefillShare, Request, Scheduler
+from redrafter_mlx.serving.scheduler import Request, Scheduler
 
 calibrate.cost_curve = lambda *args, **kwargs: CPU_CURVE
 scheduler = Scheduler(ReDrafter(BaseModel(tiny_model("llama")), None), (), DraftSettings(), max_batch=1)
