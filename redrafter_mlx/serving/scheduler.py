@@ -76,6 +76,7 @@ PREFILL_SHARE = 0.2  # of the engine's time, a long prefill's at most while othe
 FED = object()  # what ``Prefill.layers`` gives once its chunk is fed
 MIN_KEPT = 0.1  # the least part of the prefill share left where clients keep leaving (``PrefillShare.current``)
 KEPT_DECAY = 0.8  # the weight of the prefills before, each time one ends
+KEPT_PRIOR = 4.0  # kept prefills counted before any has ended
 
 # Steps between two clears of MLX's cache of freed buffers, which would
 # otherwise keep every size it has held (as mlx-lm's batch generator does).
@@ -100,30 +101,31 @@ class PrefillShare:
     beside it.
 
     Prefill whose clients leave before it ends is work thrown away. Where
-    that is most of the recent prefill work (clients that time out and send
-    their long prompts again, or a hostile load), the share beside running
-    requests falls with the part of that work that was kept, to a tenth of
-    it at least (``current``). The prefill under way counts as kept while
-    its clients stay, so a long prompt whose client waits earns its share
-    back as it is fed, and prefills that end with their requests joining
-    raise it for the next. Alone, a prefill still takes the whole engine."""
+    that is the fate of most recent prefills (clients that time out and
+    send their long prompts again, or a hostile load), the share beside
+    running requests falls with the part of them that were kept, to a
+    tenth of it at least (``current``). Each prefill that ends counts
+    once, and those before it count ``KEPT_DECAY`` times what they did; the
+    count starts as if ``KEPT_PRIOR`` prefills had been kept. So one client
+    that leaves (an agent's user who cancels a long turn) lowers the share
+    by about a quarter, a run of them lowers it to the floor, and prefills
+    that end with their requests joining raise it again. Alone, a prefill
+    still takes the whole engine."""
 
     def __init__(self, share: float = PREFILL_SHARE):
         self.share = share
         self.next_layer = 0.0  # monotonic time before which running requests step instead
         self.step = 0.0  # seconds the running rows' last step took
-        self.spent = 0.0  # seconds of layers fed to the prefill under way
-        self.fed = 0.0  # recent prefills' seconds, each older one weighed down by KEPT_DECAY
-        self.kept = 0.0  # the part of ``fed`` whose requests joined
+        self.ended_count = KEPT_PRIOR  # recent prefills, each older one weighed down by KEPT_DECAY
+        self.kept_count = KEPT_PRIOR  # those of them whose requests joined
 
     @property
     def current(self) -> float:
         """The share beside running requests: ``share`` times the part of
-        recent prefill work that was kept (the one under way's so far
-        included), at least a tenth of it."""
-        if self.share >= 1 or not self.fed:
+        recent prefills that were kept, at least a tenth of it."""
+        if self.share >= 1:
             return self.share
-        return self.share * max((self.kept + self.spent) / (self.fed + self.spent), MIN_KEPT)
+        return self.share * max(self.kept_count / self.ended_count, MIN_KEPT)
 
     def allows(self, decoding: bool) -> bool:
         return not decoding or time.monotonic() >= self.next_layer
@@ -141,15 +143,13 @@ class PrefillShare:
         self.step = seconds
 
     def ran(self, seconds: float) -> None:
-        self.spent += seconds
         self.next_layer = time.monotonic() + seconds * (1 / self.current - 1)
 
     def ended(self, joined: bool) -> None:
-        """The prefill under way ended: its requests joined the batch, or
-        their clients left first."""
-        self.fed = self.fed * KEPT_DECAY + self.spent
-        self.kept = self.kept * KEPT_DECAY + (self.spent if joined else 0.0)
-        self.spent = 0.0
+        """A prefill ended: its requests joined the batch, or their clients
+        left first."""
+        self.ended_count = self.ended_count * KEPT_DECAY + 1
+        self.kept_count = self.kept_count * KEPT_DECAY + joined
 
 
 class Refused(Exception):

@@ -5,6 +5,7 @@ import asyncio
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -118,7 +119,7 @@ def test_a_long_prompt_is_fed_a_chunk_at_a_time_between_steps_and_a_client_that_
     ]  # after the short prompt's; the last token comes with the first answer
     chunks = [i for i, what in enumerate(timeline) if what == "chunk"][1:]
     assert all("step" in timeline[a:b] for a, b in zip(chunks, chunks[1:]))  # the running request stepped between them
-    assert scheduler.share.kept == scheduler.share.fed > 0  # every prefill's work was kept
+    assert scheduler.share.kept_count == scheduler.share.ended_count  # every prefill was kept
     fed.clear()
 
     async def left():
@@ -130,35 +131,32 @@ def test_a_long_prompt_is_fed_a_chunk_at_a_time_between_steps_and_a_client_that_
 
     assert asyncio.run(left()) == 0  # nothing came back, and nothing runs
     assert fed == [299] and scheduler.coming is None
-    assert scheduler.share.kept < scheduler.share.fed  # the left one's was thrown away
+    assert scheduler.share.kept_count < scheduler.share.ended_count  # the left one's was thrown away
     scheduler.stop()
 
 
 def test_the_prefill_share_falls_where_clients_keep_leaving_and_comes_back_as_prefills_are_kept():
     """Beside running requests, a prefill takes the share it was given
-    while prefills are kept. Where clients keep leaving before theirs end,
-    the share falls to a tenth; a prefill whose client stays earns it back
-    as it is fed, and prefills that join restore it."""
+    while prefills are kept. One client that leaves lowers it by about a
+    quarter; where clients keep leaving before their prefills end, it falls
+    to a tenth; prefills that join restore it."""
     share = PrefillShare(0.2)
     assert share.current == 0.2
+    share.ended(joined=False)  # one user cancels a long turn
+    assert share.current == pytest.approx(0.2 * 3.2 / 4.2)
     for _ in range(20):  # clients that send a long prompt and leave
-        share.ran(0.5)
         share.ended(joined=False)
     assert share.current == pytest.approx(0.02)
     assert share.budget(decoding=True) == 0.0 and share.budget(decoding=False) == 0.0  # no step timed yet
     share.stepped(1.0)
     assert share.budget(decoding=True) == pytest.approx(0.02 / 0.98)
     assert share.budget(decoding=False) == 0.0  # alone, a layer a turn at the whole engine's pace
-    before = share.current
-    share.ran(2.0)  # one whose client stays: its work so far counts as kept
-    assert before < share.current < 0.2
-    share.ended(joined=True)
+    share.ran(0.1)
+    assert share.next_layer - time.monotonic() == pytest.approx(0.1 * 49, abs=0.05)  # the others step 49 times as long
     for _ in range(20):
-        share.ran(0.5)
         share.ended(joined=True)
     assert share.current > 0.19
     whole = PrefillShare(1.0)  # no bound at all: nothing to lower
-    whole.ran(1.0)
     whole.ended(joined=False)
     assert whole.current == 1.0
 
