@@ -378,9 +378,11 @@ class Speculator:
                 # The beams are not worth their search, the cheap drafts are
                 # worth their pass: this step goes without them, and so do
                 # the next ones until the RNN is tried again.
-                return TreeChoice(tuple(prune(t, cheap_count) for t in cheap), rate, True, tuple(candidates))
+                return TreeChoice(
+                    tuple(prune(t, cheap_count) for t in cheap), rate, without_rnn=True, candidates=tuple(candidates)
+                )
         return TreeChoice(
-            None if count == 0 else tuple(prune(t, count) for t in candidates), rate, False, tuple(candidates)
+            None if count == 0 else tuple(prune(t, count) for t in candidates), rate, candidates=tuple(candidates)
         )
 
     def _drafts(self, rows: list, beams: Optional[Beams]) -> list:
