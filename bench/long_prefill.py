@@ -1,8 +1,10 @@
-"""Prefill of long prompts: the engine's prefill (the server's, a chunk of
-2,048 tokens at a time) against mlx-lm's own `generate_step`, to the first
-token, alternating, with each one's peak memory.
+"""Prefill of long prompts: the engine's prefill (the server's: chunks of
+up to 2,048 tokens, shorter on the CPU as the context grows) against
+mlx-lm's own `generate_step` (chunks of 2,048), to the first token,
+alternating, with each one's peak memory.
 
     python3 bench/long_prefill.py --model gemma --lengths 8000,16000,32000 --json bench/results/long/prefill-gemma3-270m.json
+    python3 bench/long_prefill.py --model default --lengths 1000,4000,8000 --json bench/results/long/prefill-smollm2.json
 
 The prompt is this Python's own standard library source, cut to each
 length.
@@ -57,12 +59,14 @@ def timed(run, base, prompt: list) -> tuple:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="gemma", help="a model path, or 'gemma' for Gemma 3 270M")
+    parser.add_argument(
+        "--model", default="gemma", help="a model path, 'gemma' for Gemma 3 270M, or 'default' for the embedded model"
+    )
     parser.add_argument("--lengths", default="8000,16000,32000")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--json", required=True)
     args = parser.parse_args()
-    model = gemma3_270m_path() if args.model == "gemma" else args.model
+    model = gemma3_270m_path() if args.model == "gemma" else None if args.model == "default" else args.model
     redrafter, tokenizer = load(model, drafter="none")
     base = redrafter.base
     text = "\n\n".join(Path(inspect.getsourcefile(__import__(m))).read_text() for m in SOURCES)

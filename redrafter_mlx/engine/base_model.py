@@ -31,7 +31,8 @@ class BaseModel:
     Attributes:
         model: the mlx-lm model itself (its RoPE modules are wrapped by
             ``TreeRoPE``, which changes nothing for ordinary calls).
-        hidden_size, vocab_size, max_context, dtype: from the model.
+        hidden_size, vocab_size, max_context, dtype, query_heads: from the
+            model.
         ranks: the processes the model is split over (``split_model``
             already applied), or None for one process.
     """
@@ -67,6 +68,9 @@ class BaseModel:
         text_args = getattr(args, "text_config", None) or args
         self.max_context = getattr(text_args, "max_position_embeddings", None)
         self.hidden_size, self.vocab_size = self._probe()
+        # Attention's query heads, which its scores are sized by; where the
+        # arguments do not say, as many as heads of 64 dimensions would be.
+        self.query_heads = getattr(text_args, "num_attention_heads", None) or max(self.hidden_size // 64, 1)
         self.dtype = self.embed(mx.array([0])).dtype  # what the model computes in
 
     @staticmethod

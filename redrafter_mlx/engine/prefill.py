@@ -1,6 +1,15 @@
 """Prefill: feed the prompts (or what their prompt caches do not hold) and
 return the logits of the first new token, in chunks as mlx-lm does; a
-chunk at a time (``Prefill``) where the caller has other work between them."""
+chunk at a time (``Prefill``) where the caller has other work between them.
+
+On the CPU, MLX's attention computes each layer's scores whole: an array of
+(rows, query heads, chunk, context) floats, then its masked copy and its
+softmax. After 6,000 tokens of context a chunk of 2,048 makes arrays of
+about 600 MB each for the default model. There a chunk is made smaller as
+the context grows (``chunk_size``), so that prefill works in bounded
+memory; on the CPU the smaller chunks are also no slower
+(bench/RESULTS.md). Elsewhere MLX fuses attention where it can, and
+chunks are mlx-lm's size."""
 
 from typing import Iterator, Sequence
 
@@ -11,6 +20,21 @@ from .base_model import BaseModel
 from .cache import extend_batch
 
 PREFILL_STEP_SIZE = 2048
+SCORES_BYTES = 32 << 20  # on the CPU: the most one layer's attention scores of a chunk may take
+MIN_CHUNK = 128  # ... unless the chunk would be shorter than this
+
+
+def chunk_size(step_size: int, rows: int, heads: int, context: int) -> int:
+    """Tokens the next chunk feeds after ``context`` tokens: ``step_size``,
+    halved on the CPU while one layer's attention scores (``rows`` x
+    ``heads`` x chunk x (context + chunk) float32s) would exceed
+    ``SCORES_BYTES``, but not below ``MIN_CHUNK``."""
+    chunk = step_size
+    if mx.default_device() != mx.cpu:
+        return chunk
+    while chunk // 2 >= MIN_CHUNK and rows * heads * chunk * (context + chunk) * 4 > SCORES_BYTES:
+        chunk //= 2
+    return chunk
 
 
 def check_prompts(base: BaseModel, prompts: Sequence[Sequence[int]]) -> None:
@@ -34,7 +58,8 @@ class Prefill:
     ``prompt_caches`` (a ``PromptCache`` or None per prompt) each prompt
     starts from the prefix its cache holds and is fed alone. Every chunk
     but the last token is fed as mlx-lm's generation loop feeds it: chunks
-    of ``prefill_step_size`` tokens, then the last token alone.
+    of ``prefill_step_size`` tokens (on the CPU, fewer as the context grows:
+    ``chunk_size``), then the last token alone.
     """
 
     def __init__(
@@ -93,7 +118,8 @@ class Prefill:
         chunk whole, output too: it carries the hops between ranks."""
         group = next(g for g in self.groups if g[3] < g[2].shape[1] - 1)
         layout, cache, tokens, fed = group
-        end = min(fed + self.step_size, tokens.shape[1] - 1)
+        chunk = chunk_size(self.step_size, tokens.shape[0], self.base.query_heads, layout.start)
+        end = min(fed + chunk, tokens.shape[1] - 1)
         layout.begin_chunk()
         out = self.base.backbone(tokens[:, fed:end], cache=cache)
         layout.end_chunk(end - fed)

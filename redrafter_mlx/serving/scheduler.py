@@ -28,6 +28,7 @@ from ..engine.sampling import SamplingSettings, chooser_per_prompt, make_chooser
 from ..engine.types import ReDrafter
 from .cache_store import PromptCacheStore
 from .metrics import Metrics
+from .process import trim_heap
 
 
 @dataclass
@@ -81,6 +82,14 @@ KEPT_PRIOR = 4.0  # kept prefills counted before any has ended
 # Steps between two clears of MLX's cache of freed buffers, which would
 # otherwise keep every size it has held (as mlx-lm's batch generator does).
 CLEAR_EVERY = 512
+
+
+def give_back_memory() -> None:
+    """MLX's cache of freed buffers, then the C library's free pages, go
+    back to the system: when the engine is idle, and every ``CLEAR_EVERY``
+    steps."""
+    mx.clear_cache()
+    trim_heap()
 
 
 class PrefillShare:
@@ -310,10 +319,10 @@ class Scheduler:
             self.ready.set()
         for steps in itertools.count(1):
             if not self.active and not self.waiting and self.coming is None:
-                mx.clear_cache()  # idle: MLX's cache of freed buffers goes back to the system
+                give_back_memory()  # idle
                 self.waiting.append(self.incoming.get())
             elif steps % CLEAR_EVERY == 0:
-                mx.clear_cache()
+                give_back_memory()
             while True:
                 try:
                     self.waiting.append(self.incoming.get_nowait())

@@ -1,8 +1,14 @@
-"""The serving process around the server: how many files it may open."""
+"""The serving process around the server: how many files it may open, and
+the memory its C library gives back."""
 
+import ctypes
+import os
 import resource
+import sys
 
-from redrafter_mlx.serving.process import allow_open_files
+import pytest
+
+from redrafter_mlx.serving.process import MALLOC_TRIM, allow_open_files, trim_heap
 
 
 def test_the_soft_limit_on_open_files_is_raised_toward_the_hard_limit_and_never_lowered():
@@ -18,3 +24,26 @@ def test_the_soft_limit_on_open_files_is_raised_toward_the_hard_limit_and_never_
             assert allow_open_files(hard + 1000) == hard  # no further than the hard limit
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def resident_mb() -> float:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or MALLOC_TRIM is None, reason="glibc only")
+def test_memory_freed_below_the_top_of_the_heap_goes_back_to_the_system():
+    libc = ctypes.CDLL(None)
+    libc.malloc.restype = ctypes.c_void_p
+    libc.free.argtypes = [ctypes.c_void_p]
+    blocks = [libc.malloc(64 << 10) for _ in range(1_600)]  # 100 MB in blocks glibc takes from its heap
+    for block in blocks:
+        ctypes.memset(block, 1, 64 << 10)
+    for block in blocks[:-1]:  # the last keeps the top of the heap where it is
+        libc.free(block)
+    held = resident_mb()
+    trim_heap()
+    try:
+        assert resident_mb() < held - 80
+    finally:
+        libc.free(blocks[-1])
