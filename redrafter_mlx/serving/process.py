@@ -74,8 +74,9 @@ def trim_heap() -> None:
     """Give the free pages of the C library's heap back to the system.
     glibc keeps memory freed below the top of its heaps, so without this a
     process stays resident at the most it ever held at once: a rare moment
-    (two long prompts prefilled together) would raise it for good. A few
-    milliseconds; nothing where the C library is not glibc."""
+    (several long prompts at once) would raise it for good. The pages are
+    faulted in again when next used (a soak ran no slower: bench/RESULTS.md).
+    Nothing where the C library is not glibc."""
     if MALLOC_TRIM is not None:
         MALLOC_TRIM(0)
 

@@ -80,7 +80,8 @@ KEPT_DECAY = 0.8  # the weight of the prefills before, each time one ends
 KEPT_PRIOR = 4.0  # kept prefills counted before any has ended
 
 # Steps between two clears of MLX's cache of freed buffers, which would
-# otherwise keep every size it has held (as mlx-lm's batch generator does).
+# otherwise keep every size it has held (as mlx-lm's batch generator does),
+# and of the C library's free pages (``give_back_memory``).
 CLEAR_EVERY = 512
 
 

@@ -39,11 +39,14 @@ def test_memory_freed_below_the_top_of_the_heap_goes_back_to_the_system():
     blocks = [libc.malloc(64 << 10) for _ in range(1_600)]  # 100 MB in blocks glibc takes from its heap
     for block in blocks:
         ctypes.memset(block, 1, 64 << 10)
-    for block in blocks[:-1]:  # the last keeps the top of the heap where it is
+    # Every other block is freed: each hole lies between blocks in use, so
+    # none joins the top of the heap, which glibc may give back by itself.
+    for block in blocks[::2]:
         libc.free(block)
     held = resident_mb()
     trim_heap()
     try:
-        assert resident_mb() < held - 80
+        assert resident_mb() < held - 40  # of the 50 MB freed
     finally:
-        libc.free(blocks[-1])
+        for block in blocks[1::2]:
+            libc.free(block)
