@@ -1,6 +1,7 @@
 """The machine's cost of verifying N tree nodes: measured once per machine,
-model, dtype and batch size in a few seconds (by the engine, which knows how
-to run a pass: ``engine.calibrate``), then cached on disk.
+model, dtype and batch size, in as many passes as it takes to time each size
+three times (by the engine, which knows how to run a pass:
+``engine.calibrate``), then cached on disk.
 
 The cost of one forward pass over N new tokens is far from flat on some
 machines (a CPU, a quantized model on a GPU) and nearly flat on others, so
@@ -29,7 +30,7 @@ SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 # longer-context measurement of some of the sizes.
 CONTEXT = 128
 LONG_CONTEXT = 4096  # (or half the model's context, if shorter)
-LONG_SIZES = (1, 4, 8, 16, 32)
+LONG_SIZES = (1, 8, 32)
 CONTEXT_STEP = 32  # a step's context is rounded up to this many tokens (one curve per step of it)
 CACHE_ENV = "REDRAFTER_MLX_CACHE"
 
@@ -178,9 +179,13 @@ def _read_cache(path: Path) -> dict:
         return {}
 
 
-def _write_cache(path: Path, data: dict) -> None:
+def _write_cache(path: Path, entries: dict) -> None:
+    """Add ``entries`` to the cache on disk, as it is now: another process
+    (a server, a benchmark) may have added its own while this one measured."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
+        data = _read_cache(path)
+        data.update(entries)
         tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
         tmp.write_text(json.dumps(data, indent=1) + "\n")
         os.replace(tmp, path)
@@ -226,14 +231,15 @@ def cached_curve(
     curve, draft = (None, None) if refresh else _entries(data, key, draft_key, path)
     if curve is None or (draft_key and draft is None):
         what = "this machine's verification cost" if curve is None else "the drafter's search cost"
-        print(f"measuring {what} for this model (a few seconds; cached in {path})...", file=sys.stderr, flush=True)
+        print(f"measuring {what} for this model (once; cached in {path})...", file=sys.stderr, flush=True)
         measured = measure(SIZES if curve is None else (1,), curve is None)
+        entries = {}
         if curve is None:
             curve = measured
-            data[key] = curve.entry()
+            entries[key] = curve.entry()
         if draft_key:
             draft = measured.draft_seconds
-            data[draft_key] = {"draft_seconds": draft}
-        _write_cache(path, data)
+            entries[draft_key] = {"draft_seconds": draft}
+        _write_cache(path, entries)
     curve.draft_seconds = draft or 0.0
     return curve

@@ -51,7 +51,7 @@ def measure(
     redrafter,
     batch_size: int,
     beam_shape: Optional[tuple] = None,
-    repeats: int = 5,
+    repeats: int = 3,
     sizes=SIZES,
     tree: bool = True,
     step_costs: Optional[StepCostMeter] = None,
@@ -186,7 +186,7 @@ def cost_curve(
         # Split over ranks: hops included, measured on every start, the same on every rank.
         if redrafter.base.ranks.rank == 0:
             print(
-                "measuring the split model's verification cost, hops included (a few seconds, at every start)...",
+                "measuring the split model's verification cost, hops included (at every start)...",
                 file=sys.stderr,
                 flush=True,
             )

@@ -499,7 +499,7 @@ class Decoder:
 
 
 def fixed_costs(
-    redrafter: ReDrafter, prompts: list, curve: CostCurve, pass_seconds: Callable[[int], float], tokens: int = 24
+    redrafter: ReDrafter, prompts: list, curve: CostCurve, pass_seconds: Callable[[int], float], tokens: int = 16
 ) -> tuple[float, float]:
     """(seconds a drafting step costs besides its pass, seconds of one
     pipelined plain token), from the engine's own steps on ``prompts``:

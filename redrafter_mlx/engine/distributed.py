@@ -44,6 +44,7 @@ import os
 import pickle
 import platform
 import socket
+import subprocess
 import sys
 import threading
 from dataclasses import dataclass
@@ -234,19 +235,20 @@ def join(split: str = "pipeline", silence: float = SILENCE_SECONDS) -> "SplitRan
         raise UserError(f"--split takes one of {', '.join(SPLITS)}, got {split!r}")
     rank = os.environ.get("MLX_RANK", "?")
     # Connecting waits for every rank: one that never comes ends this one.
-    timer = threading.Timer(2 * silence, fail, (rank, f"the other ranks did not connect within {2 * silence:.0f} s"))
-    timer.daemon = True
-    timer.start()
+    watchdog = Watchdog(
+        2 * silence, f"error: the other ranks did not connect within {2 * silence:.0f} s; ending rank {rank}"
+    )
     try:
-        group = mx.distributed.init(strict=True)
-    except (RuntimeError, ValueError) as e:
-        timer.cancel()
-        raise UserError(f"cannot join the other ranks: {e}") from None
-    ranks = SplitRanks(group, split)
-    if ranks.size > 1:
-        ranks.heartbeat = Heartbeat(ranks, silence)
-        ranks.alike = not ranks.differing(numerics())
-    timer.cancel()
+        try:
+            group = mx.distributed.init(strict=True)
+        except (RuntimeError, ValueError) as e:
+            raise UserError(f"cannot join the other ranks: {e}") from None
+        ranks = SplitRanks(group, split)
+        if ranks.size > 1:
+            ranks.heartbeat = Heartbeat(ranks, silence)
+            ranks.alike = not ranks.differing(numerics())
+    finally:
+        watchdog.cancel()
     return ranks
 
 
@@ -270,6 +272,36 @@ def numerics() -> str:
             os.environ.get("OMP_NUM_THREADS"),
         ]
     )
+
+
+class Watchdog:
+    """Ends this process with ``line`` on standard error unless cancelled
+    within ``seconds``. It is another process, because a thread cannot:
+    ``mx.distributed.init`` holds the interpreter while it waits for the
+    other ranks, forever if one never comes. The watchdog reads its end of
+    a pipe: cancelling closes ours, and so does this process ending; if
+    neither happens in time, it writes the line and kills this process
+    (which then ends with SIGKILL's status, not 1)."""
+
+    def __init__(self, seconds: float, line: str):
+        self.process = subprocess.Popen(
+            [sys.executable, "-I", "-S", "-c", WATCHDOG, str(os.getpid()), str(seconds), line],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+        )
+
+    def cancel(self) -> None:
+        self.process.stdin.close()
+        self.process.wait()
+
+
+WATCHDOG = """
+import os, select, signal, sys
+pid, seconds, line = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3]
+if not select.select([sys.stdin], [], [], seconds)[0]:
+    print(line, file=sys.stderr, flush=True)
+    os.kill(pid, signal.SIGKILL)
+"""
 
 
 def fail(rank, message: str) -> None:

@@ -4,6 +4,7 @@ a ring hostfile), each with a hard timeout and its exit status checked."""
 
 import json
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -96,15 +97,20 @@ def start_ranks(tmp_path, per_rank_args: list, programs=None) -> list:
     return processes
 
 
-def launch(tmp_path, per_rank_args: list, kill_rank_after=None, programs=None) -> list[tuple[int, str, str]]:
+def launch(tmp_path, per_rank_args: list, kill_rank=None, programs=None) -> list[tuple[int, str, str]]:
     """Run one process per entry of ``per_rank_args`` as ranks of a ring;
-    returns each one's (exit status, stdout, stderr). ``kill_rank_after``:
-    (rank, seconds) to kill that rank with SIGKILL."""
+    returns each one's (exit status, stdout, stderr). ``kill_rank``: the
+    rank to kill with SIGKILL once rank 0 has written its first output
+    (whose first byte is then missing from rank 0's stdout)."""
     processes = start_ranks(tmp_path, per_rank_args, programs)
-    if kill_rank_after is not None:
-        rank, seconds = kill_rank_after
-        time.sleep(seconds)
-        processes[rank].send_signal(signal.SIGKILL)
+    if kill_rank is not None:
+        ready, _, _ = select.select([processes[0].stdout], [], [], TIMEOUT)
+        if not ready:
+            for q in processes:
+                q.kill()
+            pytest.fail("rank 0 wrote nothing within the timeout")
+        os.read(processes[0].stdout.fileno(), 1)
+        processes[kill_rank].send_signal(signal.SIGKILL)
     results, deadline = [], time.monotonic() + TIMEOUT
     for p in processes:
         try:
@@ -305,13 +311,26 @@ def test_a_killed_rank_ends_the_others_with_an_error(folders, tmp_path):
         "--max-nodes",
         4,
     ]
-    tic = time.monotonic()
-    (code0, _, err0), (code1, _, _) = launch(tmp_path, [args] * 2, kill_rank_after=(1, 8))
+    (code0, _, err0), (code1, _, _) = launch(tmp_path, [args] * 2, kill_rank=1)
     assert code1 == -signal.SIGKILL
     assert code0 == 1
     # Our line (MLX's own transport may write one of its own, even on the same line).
     assert "error: " in err0, err0
     assert "Traceback" not in err0
+
+
+def test_a_rank_whose_peers_never_come_ends_with_an_error(tmp_path):
+    # mx.distributed.init waits for the other ranks holding the interpreter:
+    # no thread of this process could end it.
+    hostfile = tmp_path / "hosts.json"
+    hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in free_ports(2)]))
+    code = "from redrafter_mlx.engine import distributed; distributed.join(silence=1.0); print('joined')"
+    env = dict(os.environ, PYTHONPATH=ROOT, MLX_RANK="0", MLX_HOSTFILE=str(hostfile))
+    tic = time.monotonic()
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=TIMEOUT)
+    assert result.returncode == -signal.SIGKILL
+    assert result.stdout == ""
+    assert result.stderr.strip() == "error: the other ranks did not connect within 2 s; ending rank 0"
     assert time.monotonic() - tic < 60
 
 

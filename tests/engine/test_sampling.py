@@ -304,6 +304,8 @@ def test_generate_prompts_file_of_copies_samples_the_exact_distribution(chat_mod
         width,
         "--beam-length",
         length,
+        "--max-nodes",  # every draft verified, as above (and no curve measured for 400 rows)
+        int(width) * (int(length) - 1),
         *flags,
     )
     assert result.returncode == 0, result.stderr
