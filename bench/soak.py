@@ -11,7 +11,9 @@ keeps taking new entries and must free old ones), and streams the client
 drops after the first event. It reports failures (any answer that is not a
 whole 200; a dropped stream is not one), the server's resident memory over
 time (each sample with the prompt cache's bytes from /metrics), and how
-much it moved over the second half of the run: a server whose memory is
+much it moved over the second half of the run (over all of it, and over the
+samples taken while the clients still sent, without the idle end where the
+server gives memory back): a server whose memory is
 bounded levels off, one that leaks keeps climbing. Start with 1,500
 requests: the default prompt cache (1,024 MB) fills by about the 420th.
 
@@ -176,7 +178,7 @@ def main() -> None:
     )
     command += args.serve_args.split()
     process, url = start(command, env)
-    samples, done = [], threading.Event()
+    samples, done, loaded = [], threading.Event(), threading.Event()
     counter = itertools.count()
     completed = [0]
 
@@ -193,6 +195,7 @@ def main() -> None:
                     "requests": completed[0],
                     "rss": resident_bytes(process.pid),
                     "prompt_cache_bytes": cache,
+                    "loaded": loaded.is_set(),  # the clients still sending
                 }
             )
             done.wait(1.0)
@@ -217,8 +220,10 @@ def main() -> None:
                         )
 
         tic = time.perf_counter()
+        loaded.set()
         with ThreadPoolExecutor(args.clients) as pool:
             list(pool.map(client, range(args.clients)))
+        loaded.clear()
         seconds = time.perf_counter() - tic
         time.sleep(2.0)
         health = httpx.get(url + "/health").json()
@@ -230,6 +235,7 @@ def main() -> None:
 
     failures = [r for r in results if not r["ok"]]
     half = [s["rss"] for s in samples if s["requests"] >= args.requests // 2]
+    busy = [s["rss"] for s in samples if s["requests"] >= args.requests // 2 and s.get("loaded")]
     middle, last = half[0], half[-1]
     summary = {
         "command": " ".join(["python3", "bench/soak.py"] + sys.argv[1:]),
@@ -256,6 +262,14 @@ def main() -> None:
         },
         "second_half_growth": round(last / middle - 1, 4),
         "second_half_spread": round(max(half) / min(half) - 1, 4),
+        # The same, over the samples taken while the clients still sent (not
+        # the idle end, where the server gives memory back).
+        "second_half_spread_under_load": round(max(busy) / min(busy) - 1, 4) if busy else None,
+        "second_half_under_load_mib": {
+            "min": round(min(busy) / 2**20) if busy else None,
+            "median": round(statistics.median(busy) / 2**20) if busy else None,
+            "max": round(max(busy) / 2**20) if busy else None,
+        },
         "health_at_end": health,
         "samples": samples,
     }
