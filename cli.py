@@ -757,8 +757,11 @@ def serve(
     split: Split = "pipeline",
 ):
     """An HTTP server with the OpenAI and Anthropic APIs that batches concurrent requests (see "Serving")."""
+    from redrafter_mlx.serving.process import hold_freed_memory, is_loopback, listen, stopped_by_sigterm
+
+    hold_freed_memory()  # before MLX is imported and starts its threads
+
     from redrafter_mlx.serving.chat_format import ChatRenderer
-    from redrafter_mlx.serving.process import is_loopback, listen, stopped_by_sigterm
     from redrafter_mlx.serving.server import Limits, run_server
 
     with checking_options():

@@ -321,7 +321,8 @@ def run(names: list, points: int, seed: int, say=print) -> dict:
         raise SystemExit(f"error: unknown job {unknown[0]}; the jobs are {', '.join(JOBS)}")
     rng = random.Random(seed)
     work = Path(tempfile.mkdtemp(prefix="kill-resume-"))
-    env = dict(os.environ, PYTHONPATH=ROOT, REDRAFTER_MLX_CACHE=str(work / "cache"))
+    path = os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))  # the tests add theirs
+    env = dict(os.environ, PYTHONPATH=path, REDRAFTER_MLX_CACHE=str(work / "cache"))
     try:
         model, prompts = make_inputs(work)
         # What train and datastore start from: one distillation, one training.

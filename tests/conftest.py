@@ -19,7 +19,6 @@ import numpy as np
 import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.models import gemma3_text, lfm2, llama, mixtral, nemotron_h, qwen2, qwen3_5, qwen3_moe, qwen3_next
-from scipy.stats import chisquare
 
 from redrafter_mlx.drafting.cost import CostCurve
 from redrafter_mlx.drafting.drafter import Drafter, DrafterArgs
@@ -41,6 +40,21 @@ HIDDEN = 64
 CPU_CURVE = CostCurve(
     [1, 2, 3, 4, 6, 8, 12, 16, 32], [1.0, 1.10, 1.24, 1.33, 1.41, 1.46, 2.0, 2.0, 2.9], draft_seconds=0.1
 )
+
+
+@pytest.fixture(scope="session", autouse=True)
+def launched_processes_without_torch():
+    """The processes the tests launch, and those the bench scripts they call
+    launch, import from this checkout and a sitecustomize that hides torch
+    from them (tests/without_torch). Set in each test process, not at
+    import: the processes xdist starts to run the tests need torch."""
+    previous = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join([ROOT, os.path.join(ROOT, "tests", "without_torch")])
+    yield
+    if previous is None:
+        del os.environ["PYTHONPATH"]
+    else:
+        os.environ["PYTHONPATH"] = previous
 
 
 @pytest.fixture(autouse=True)
@@ -276,7 +290,7 @@ def run_cli(*args, input=None, timeout=600, env=None, cwd=ROOT):
     for it; ``cwd``: the working folder); returns the completed process."""
     import subprocess
 
-    env = dict(os.environ, PYTHONPATH=ROOT, **(env or {}))
+    env = dict(os.environ, **(env or {}))
     return subprocess.run(
         [sys.executable, "-m", "redrafter_mlx.cli", *map(str, args)],
         input=input,
@@ -303,7 +317,7 @@ def start_server(*args) -> tuple:
     process = subprocess.Popen(
         [sys.executable, "-m", "redrafter_mlx.cli", "serve", "--port", str(port), *map(str, args)],
         cwd=ROOT,
-        env=dict(os.environ, PYTHONPATH=ROOT),
+        env=dict(os.environ),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -362,6 +376,10 @@ def processed_probs(logits, settings):
 def assert_same_distribution(counts, joint, min_p=1e-3):
     """Chi-square goodness of fit, merging cells expected below 5; any
     sample in a cell of probability 0 fails."""
+    # Imported here: processes the tests launch import this file, and scipy
+    # fails to import where torch is hidden (launched_processes_without_torch).
+    from scipy.stats import chisquare
+
     total = counts.sum()
     expected = joint.ravel() * total
     observed = counts.ravel().astype(float)

@@ -452,7 +452,7 @@ def test_a_prompt_that_is_not_utf8_gets_one_error_line():
         input=b"caf\xe9 \xff\xfe",
         capture_output=True,
         cwd=root,
-        env=dict(os.environ, PYTHONPATH=root),
+        env=dict(os.environ),
         timeout=300,
     )
     result.stdout, result.stderr = result.stdout.decode(), result.stderr.decode()
@@ -478,7 +478,7 @@ def test_loading_warns_when_mlx_runs_on_the_reference_blas():
     root = ROOT
     code = "import mlx.core; import redrafter_mlx; from redrafter_mlx.loading.loader import warn_if_slow_blas; warn_if_slow_blas()"
     result = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, cwd=root, env=dict(os.environ, PYTHONPATH=root)
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=root, env=dict(os.environ)
     )
     assert result.returncode == 0
     if sys.platform.startswith("linux"):
@@ -613,7 +613,7 @@ def test_serve_ended_by_sigterm_while_it_measures_exits_0(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = dict(os.environ, PYTHONPATH=ROOT, REDRAFTER_MLX_CACHE=str(tmp_path))
+    env = dict(os.environ, REDRAFTER_MLX_CACHE=str(tmp_path))
     process = subprocess.Popen(
         [sys.executable, "-m", "redrafter_mlx.cli", "serve", "--port", str(port)],
         cwd=ROOT,

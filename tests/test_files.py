@@ -84,7 +84,7 @@ def folder_bytes(folder: Path) -> int:
 @pytest.mark.skipif(sys.platform != "linux" or os.geteuid() != 0, reason="mounting a tmpfs needs Linux and root")
 def test_a_full_disk_stops_distill_and_train_in_one_line_and_they_resume_to_the_same_result(tmp_path):
     model, prompts = kill_resume.make_inputs(tmp_path)
-    env = dict(os.environ, PYTHONPATH=ROOT, REDRAFTER_MLX_CACHE=str(tmp_path / "cache"))
+    env = dict(os.environ, REDRAFTER_MLX_CACHE=str(tmp_path / "cache"))
     reference = tmp_path / "reference" / "data"
     reference.parent.mkdir()
     jobs = kill_resume.jobs(model, prompts, reference, tmp_path / "unused")

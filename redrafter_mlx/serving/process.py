@@ -57,26 +57,53 @@ def allow_open_files(count: int) -> int:
     return wanted
 
 
-def _malloc_trim():
-    """glibc's ``malloc_trim``, or None where the C library has none."""
+def _glibc(name: str):
+    """The C library's function ``name``, or None where the system is not
+    Linux or its C library has none."""
     if not sys.platform.startswith("linux"):
         return None
     try:
-        return ctypes.CDLL(None).malloc_trim
+        return getattr(ctypes.CDLL(None), name)
     except (OSError, AttributeError):
         return None
 
 
-MALLOC_TRIM = _malloc_trim()
+MALLOC_TRIM = _glibc("malloc_trim")
+MALLOPT = _glibc("mallopt")
+# mallopt's parameters (glibc's malloc.h), and the values the server sets.
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_ARENA_MAX = -1, -3, -8
+HEAP_BLOCK_BYTES = 32 << 20  # the largest block glibc will take from its heap rather than map (64-bit)
+KEPT_TOP_BYTES = 2**31 - 1  # mallopt's most: the heap's free top is kept up to 2 GB
+
+
+def hold_freed_memory() -> bool:
+    """Has the C library keep what the server frees for its next requests,
+    until ``trim_heap`` gives it back once the server is idle:
+
+    - one arena for every thread, rather than one more for each thread that
+      allocates while another does, each keeping free memory of its own;
+    - blocks up to 32 MB (glibc's most) taken from the heap, rather than
+      each mapped on its own and unmapped as soon as it is freed (its pages
+      then faulted in afresh for the next array);
+    - the free top of the heap kept, rather than given back at each free.
+
+    So under load resident memory rises to what the server's work holds at
+    most and stays there, rather than rising and falling with each long
+    prompt. Called before the server's threads start. Returns whether the C
+    library took every setting (False where it is not glibc)."""
+    if MALLOPT is None or MALLOC_TRIM is None:
+        return False
+    settings = ((M_ARENA_MAX, 1), (M_MMAP_THRESHOLD, HEAP_BLOCK_BYTES), (M_TRIM_THRESHOLD, KEPT_TOP_BYTES))
+    return all([MALLOPT(parameter, value) == 1 for parameter, value in settings])
 
 
 def trim_heap() -> None:
     """Give the free pages of the C library's heap back to the system.
-    glibc keeps memory freed below the top of its heaps, so without this a
-    process stays resident at the most it ever held at once: a rare moment
-    (several long prompts at once) would raise it for good. The pages are
-    faulted in again when next used (a soak ran no slower: bench/RESULTS.md).
-    Nothing where the C library is not glibc."""
+    glibc keeps memory freed below the top of its heaps (and, after
+    ``hold_freed_memory``, at its top), so without this a process stays
+    resident at the most it ever held at once: a rare moment (several long
+    prompts at once) would raise it for good. Nothing where the C library
+    is not glibc."""
     if MALLOC_TRIM is not None:
         MALLOC_TRIM(0)
 

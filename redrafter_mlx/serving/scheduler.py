@@ -80,15 +80,19 @@ KEPT_DECAY = 0.8  # the weight of the prefills before, each time one ends
 KEPT_PRIOR = 4.0  # kept prefills counted before any has ended
 
 # Steps between two clears of MLX's cache of freed buffers, which would
-# otherwise keep every size it has held (as mlx-lm's batch generator does),
-# and of the C library's free pages (``give_back_memory``).
+# otherwise keep every size it has held (as mlx-lm's batch generator does).
 CLEAR_EVERY = 512
+# Seconds the engine waits idle before it gives memory back: a request that
+# follows sooner, as a client's next one does, finds it still held.
+IDLE_SECONDS = 2.0
 
 
 def give_back_memory() -> None:
     """MLX's cache of freed buffers, then the C library's free pages, go
-    back to the system: when the engine is idle, and every ``CLEAR_EVERY``
-    steps."""
+    back to the system, once the engine has been idle ``IDLE_SECONDS``.
+    Under load the C library keeps what is freed for the next requests
+    (``process.hold_freed_memory``), so resident memory levels off at what
+    the work holds at most, rather than rising and falling with it."""
     mx.clear_cache()
     trim_heap()
 
@@ -320,10 +324,13 @@ class Scheduler:
             self.ready.set()
         for steps in itertools.count(1):
             if not self.active and not self.waiting and self.coming is None:
-                give_back_memory()  # idle
-                self.waiting.append(self.incoming.get())
+                try:
+                    self.waiting.append(self.incoming.get(timeout=IDLE_SECONDS))
+                except queue.Empty:
+                    give_back_memory()
+                    self.waiting.append(self.incoming.get())
             elif steps % CLEAR_EVERY == 0:
-                give_back_memory()
+                mx.clear_cache()
             while True:
                 try:
                     self.waiting.append(self.incoming.get_nowait())

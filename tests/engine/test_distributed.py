@@ -82,7 +82,7 @@ def start_ranks(tmp_path, per_rank_args: list, programs=None) -> list:
     hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in free_ports(len(per_rank_args))]))
     processes = []
     for rank, args in enumerate(per_rank_args):
-        env = dict(os.environ, PYTHONPATH=ROOT, MLX_RANK=str(rank), MLX_HOSTFILE=str(hostfile))
+        env = dict(os.environ, MLX_RANK=str(rank), MLX_HOSTFILE=str(hostfile))
         program = ["-c", programs[rank]] if rank in (programs or {}) else ["-m", "redrafter_mlx.cli"]
         processes.append(
             subprocess.Popen(
@@ -325,7 +325,7 @@ def test_a_rank_whose_peers_never_come_ends_with_an_error(tmp_path):
     hostfile = tmp_path / "hosts.json"
     hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in free_ports(2)]))
     code = "from redrafter_mlx.engine import distributed; distributed.join(silence=1.0); print('joined')"
-    env = dict(os.environ, PYTHONPATH=ROOT, MLX_RANK="0", MLX_HOSTFILE=str(hostfile))
+    env = dict(os.environ, MLX_RANK="0", MLX_HOSTFILE=str(hostfile))
     tic = time.monotonic()
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=TIMEOUT)
     assert result.returncode == -signal.SIGKILL

@@ -16,7 +16,7 @@ def test_chat_session():
     """The embedded default model and its shipped drafter. Answers may run
     long, so the story is still streaming when Ctrl-C arrives even on a
     fast machine or when this test process is starved of CPU."""
-    env = dict(os.environ, PYTHONPATH=ROOT)
+    env = dict(os.environ)
     child = pexpect.spawn(
         sys.executable,
         ["-m", "redrafter_mlx.cli", "chat", "--max-tokens", "2048"],

@@ -60,7 +60,7 @@ def run_program(library: str, model: str) -> dict:
     done = subprocess.run(
         [sys.executable, "-c", PROGRAM.replace("IMPORT", IMPORTS[library]), model],
         cwd=ROOT,
-        env=dict(os.environ, PYTHONPATH=ROOT),
+        env=dict(os.environ),
         capture_output=True,
         text=True,
         timeout=600,

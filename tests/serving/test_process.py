@@ -2,8 +2,10 @@
 the memory its C library gives back."""
 
 import ctypes
+import json
 import os
 import resource
+import subprocess
 import sys
 
 import pytest
@@ -50,3 +52,45 @@ def test_memory_freed_below_the_top_of_the_heap_goes_back_to_the_system():
     finally:
         for block in blocks[1::2]:
             libc.free(block)
+
+
+FREE_AND_TRIM = """
+import ctypes, json, os, sys
+from redrafter_mlx.serving.process import hold_freed_memory, trim_heap
+
+def resident_mb():
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+held = hold_freed_memory() if sys.argv[1] == "hold" else None
+libc = ctypes.CDLL(None)
+libc.malloc.restype = ctypes.c_void_p
+libc.free.argtypes = [ctypes.c_void_p]
+before = resident_mb()
+blocks = [libc.malloc(1 << 20) for _ in range(100)]  # 100 MB in blocks of 1 MB, an array's size
+for block in blocks:
+    ctypes.memset(block, 1, 1 << 20)
+used = resident_mb()
+for block in blocks:
+    libc.free(block)
+freed = resident_mb()
+trim_heap()
+print(json.dumps({"held": held, "used": used - before, "freed": freed - before, "trimmed": resident_mb() - before}))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or MALLOC_TRIM is None, reason="glibc only")
+def test_freed_memory_is_held_for_the_next_requests_until_the_heap_is_trimmed():
+    """By default glibc maps a block of 1 MB on its own and unmaps it as
+    soon as it is freed, so resident memory follows each array; held, the
+    freed blocks stay resident until ``trim_heap``."""
+
+    def run(mode):
+        done = subprocess.run([sys.executable, "-c", FREE_AND_TRIM, mode], capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        return json.loads(done.stdout)
+
+    default, held = run("default"), run("hold")
+    assert default["used"] > 90 and default["freed"] < 10
+    assert held["held"] is True and held["used"] > 90
+    assert held["freed"] > 90 and held["trimmed"] < 10

@@ -14,6 +14,7 @@ from redrafter_mlx.drafting.settings import DraftSettings
 from redrafter_mlx.engine.base_model import BaseModel
 from redrafter_mlx.engine.decoder import generate_steps
 from redrafter_mlx.engine.types import ReDrafter
+from redrafter_mlx.serving import scheduler as scheduler_module
 from redrafter_mlx.serving.scheduler import PrefillShare, Request, Scheduler
 
 PROMPTS = [[5, 17, 42, 99, 3], [7, 8, 9], [200, 3, 4, 5, 6, 7], [11]]
@@ -79,6 +80,34 @@ def test_requests_beyond_the_batch_wait_and_each_gets_what_it_would_alone(redraf
     results = serve(scheduler, [Request(PROMPTS[0], 50), Request(PROMPTS[1], 5)], cancel_first=True)
     assert results[1] == alone(redrafter, PROMPTS[1], 5)
     scheduler.stop()
+
+
+def test_memory_is_given_back_once_the_engine_has_been_idle_not_between_requests(redrafter, monkeypatch):
+    """A client's next request, sent as soon as its answer came, finds the
+    memory still held; the engine gives it back only after it has been idle
+    ``IDLE_SECONDS``, once, and again after the next request."""
+    given = []
+    monkeypatch.setattr(scheduler_module, "give_back_memory", lambda: given.append(time.monotonic()))
+    monkeypatch.setattr(scheduler_module, "IDLE_SECONDS", 1.0)
+    scheduler = Scheduler(redrafter, (), DraftSettings(), max_batch=2)
+    scheduler.start()
+    try:
+        for prompt in PROMPTS:  # one after another, each sent once the one before has ended
+            assert serve(scheduler, [Request(prompt, 4)]) == [alone(redrafter, prompt, 4)]
+        ended = time.monotonic()
+        assert given == []
+        while not given and time.monotonic() < ended + 30:
+            time.sleep(0.05)
+        assert len(given) == 1 and given[0] - ended >= 0.5  # not at once: a second, less the answer's way back
+        time.sleep(1.5)
+        assert len(given) == 1  # idle still: nothing more to give back
+        serve(scheduler, [Request(PROMPTS[0], 2)])
+        deadline = time.monotonic() + 30
+        while len(given) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(given) == 2
+    finally:
+        scheduler.stop()
 
 
 def test_a_long_prompt_is_fed_a_chunk_at_a_time_between_steps_and_a_client_that_leaves_stops_it(redrafter, monkeypatch):
@@ -205,7 +234,7 @@ def test_a_process_that_stops_the_engine_and_exits_at_once_exits_cleanly():
         done = subprocess.run(
             [sys.executable, "-c", STOP_AND_EXIT],
             cwd=ROOT,
-            env=dict(os.environ, PYTHONPATH=ROOT),
+            env=dict(os.environ),
             capture_output=True,
             text=True,
             timeout=120,

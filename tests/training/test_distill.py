@@ -5,7 +5,7 @@ import errno
 import numpy as np
 import pytest
 
-from conftest import ROOT, tiny_model
+from conftest import tiny_model
 from redrafter_mlx.engine.base_model import BaseModel
 from redrafter_mlx.engine.sampling import SamplingSettings
 from redrafter_mlx.errors import UserError
@@ -199,9 +199,7 @@ def test_a_worker_leaves_when_its_parent_is_killed(tmp_path):
             time.sleep(600)
     """)
     )
-    parent = subprocess.Popen(
-        [sys.executable, str(script)], stdout=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=ROOT)
-    )
+    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, env=dict(os.environ))
     child = int(parent.stdout.readline())
 
     def running(pid):

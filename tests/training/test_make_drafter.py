@@ -59,7 +59,7 @@ def test_make_drafter_makes_a_drafter_and_a_killed_run_resumes_to_the_same_weigh
     process = subprocess.Popen(
         command,
         cwd=ROOT,
-        env=dict(os.environ, PYTHONPATH=ROOT, **env),
+        env=dict(os.environ, **env),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
